@@ -1,0 +1,122 @@
+"""fedaccel ClientApp (Flower Message API).
+
+Three handlers: ``train`` runs the algorithm's local solver, ``evaluate``
+scores the received global model on this client's local test split (for
+ACCL), ``query`` tells the server which data partition this node holds.
+Data, model and solver are built once per process and reused across rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients.base import LocalSolver, TrainData
+from fedaccel.config import RunConfig, config_error, parse_run_config
+from fedaccel.runtime import build_model_for, data_config_for, load_data
+from fedaccel.torch_utils import arrays_to_tensors, evaluate as evaluate_model, seeded_generator, select_device
+
+app = ClientApp()
+
+
+@dataclass
+class ClientRuntime:
+    """Everything a client keeps between messages in one process."""
+
+    cfg: RunConfig
+    partition_id: int
+    device: torch.device
+    model: torch.nn.Module
+    solver: LocalSolver
+    train: TrainData
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """(partition-id, num-partitions) from the node config, validated."""
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise config_error("node-config", dict(nc),
+                           "needs partition-id and num-partitions (flower-supernode --node-config)")
+    pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
+    if not 0 <= pid < n:
+        raise config_error("partition-id", pid, f"must be in [0, num-partitions={n})")
+    return pid, n
+
+
+def _freeze(run_config: dict[str, Any]) -> tuple:
+    return tuple(sorted(run_config.items()))
+
+
+@lru_cache(maxsize=4)
+def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> ClientRuntime:
+    from fedaccel.registry import get_algorithm
+
+    cfg = parse_run_config(dict(frozen_config))
+    device = select_device(cfg.device)
+    dataset = load_data(data_config_for(cfg, num_partitions))
+    part = dataset.client(partition_id)
+    model = build_model_for(cfg, dataset).to(device)
+    return ClientRuntime(
+        cfg=cfg,
+        partition_id=partition_id,
+        device=device,
+        model=model,
+        solver=get_algorithm(cfg.algo).solver(cfg),
+        train=TrainData(
+            x=torch.from_numpy(part.x_train).to(device),
+            y=torch.from_numpy(part.y_train).to(device),
+            augment=dataset.augment,
+        ),
+        test_x=torch.from_numpy(part.x_test).to(device),
+        test_y=torch.from_numpy(part.y_test).to(device),
+    )
+
+
+def client_runtime(context: Context) -> ClientRuntime:
+    pid, n = node_partition(context)
+    return _runtime(_freeze(dict(context.run_config)), pid, n)
+
+
+def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:
+    rt.model.load_state_dict(arrays_to_tensors(msg.content["arrays"], rt.device))
+    config = msg.content.config_records.get("config", ConfigRecord())
+    return dict(config)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Local training with the algorithm's solver; replies weights + metrics."""
+    rt = client_runtime(context)
+    config = _load_global(rt, msg)
+    server_round = int(config.get("server-round", 0))
+    generator = seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
+    result = rt.solver.fit(rt.model, rt.train, config, context.state, generator)
+    content = RecordDict({"arrays": result.arrays, "metrics": MetricRecord(result.metrics)})
+    for key, record in result.extra.items():
+        content[key] = record
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Accuracy of the received global model on this client's local test split."""
+    rt = client_runtime(context)
+    _load_global(rt, msg)
+    loss, acc = evaluate_model(rt.model, rt.test_x, rt.test_y)
+    metrics = MetricRecord({"loss": loss, "accuracy": acc, "num-examples": int(rt.test_y.shape[0])})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server which partition this node holds (node ids are random per run)."""
+    pid, n = node_partition(context)
+    record = ConfigRecord({"partition-id": pid, "num-partitions": n})
+    return Message(content=RecordDict({"partition": record}), reply_to=msg)

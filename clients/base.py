@@ -1,0 +1,133 @@
+"""The one local training loop every algorithm shares.
+
+:class:`LocalSolver` is FedAvg's client (McMahan et al. 2017): ``local-epochs``
+passes of mini-batch SGD (momentum, weight decay) on the cross-entropy of the
+client's training split, starting from the received global model, returning
+the last iterate. Algorithms change it through small hooks instead of copying
+the loop (the FL-bench pattern):
+
+- :meth:`begin_round`: read the received model/config/state before training;
+- :meth:`transform_gradients`: edit ``p.grad`` after ``backward()`` and before
+  ``optimizer.step()`` (proximal pulls, gradient corrections, centralization);
+- :meth:`end_round`: extra records to upload and state to keep.
+
+Because hooks act on ``p.grad`` before the optimizer step, whatever they add
+goes through momentum and weight decay exactly like the task gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, RecordDict
+
+from fedaccel.config import RunConfig
+
+
+@dataclass
+class TrainData:
+    """A client's training split as tensors on the training device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    augment: bool = False
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class LocalResult:
+    """What a client sends back: weights, metrics and optional extra records."""
+
+    arrays: ArrayRecord
+    metrics: dict[str, float | int]
+    extra: dict[str, ArrayRecord] = field(default_factory=dict)
+
+
+class LocalSolver:
+    """FedAvg's local SGD; subclasses override the hooks, never the loop."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.params = cfg.algo_params
+
+    # ----------------------------------------------------------------- hooks
+    def begin_round(
+        self, model: torch.nn.Module, config: dict[str, Any], state: RecordDict
+    ) -> None:
+        """Called with the received global weights already loaded into ``model``."""
+
+    def transform_gradients(self, model: torch.nn.Module) -> None:
+        """Edit ``p.grad`` in place after backward, before the optimizer step."""
+
+    def end_round(
+        self, model: torch.nn.Module, state: RecordDict
+    ) -> dict[str, ArrayRecord]:
+        """Extra ArrayRecords to upload beside the weights (none for FedAvg)."""
+        return {}
+
+    # ------------------------------------------------------------------ loop
+    def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        """Plain SGD with the run's momentum and weight decay, fresh every round."""
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=self.cfg.momentum,
+            weight_decay=self.cfg.weight_decay,
+        )
+
+    def run_epochs(
+        self,
+        model: torch.nn.Module,
+        data: TrainData,
+        generator: torch.Generator,
+        lr: float,
+        epochs: int,
+    ) -> dict[str, float | int]:
+        """``epochs`` shuffled passes of mini-batch SGD; returns loss and step count."""
+        from data import random_crop_flip
+
+        model.train()
+        optimizer = self.make_optimizer(model, lr)
+        n, bs = data.num_examples, self.cfg.batch_size
+        loss_sum = torch.zeros((), device=data.x.device)
+        seen, steps = 0, 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator).to(data.x.device)
+            for start in range(0, n, bs):
+                idx = order[start:start + bs]
+                xb, yb = data.x[idx], data.y[idx]
+                if data.augment:
+                    xb = random_crop_flip(xb, generator)
+                optimizer.zero_grad(set_to_none=False)
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                self.transform_gradients(model)
+                optimizer.step()
+                loss_sum += loss.detach() * yb.shape[0]
+                seen += int(yb.shape[0])
+                steps += 1
+        train_loss = float(loss_sum) / max(seen, 1)
+        return {"train-loss": train_loss, "local-steps": steps}
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        data: TrainData,
+        config: dict[str, Any],
+        state: RecordDict,
+        generator: torch.Generator,
+    ) -> LocalResult:
+        """One round of local training from the weights already in ``model``."""
+        from fedaccel.torch_utils import state_to_arrays
+
+        lr = float(config.get("lr", self.cfg.lr))
+        epochs = int(config.get("local-epochs", self.cfg.local_epochs))
+        self.begin_round(model, config, state)
+        metrics = self.run_epochs(model, data, generator, lr, epochs)
+        extra = self.end_round(model, state)
+        metrics["num-examples"] = data.num_examples
+        return LocalResult(arrays=state_to_arrays(model), metrics=metrics, extra=extra)

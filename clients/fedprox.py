@@ -1,0 +1,33 @@
+"""FedProx's local solver (Li et al. 2020, eq. 2).
+
+The client minimises ``F_k(w) + mu/2 * ||w - w^t||^2`` from the received
+model ``w^t``. The proximal term's gradient ``mu * (w - w^t)`` is added to
+``p.grad`` before the optimizer step (identical to adding the term to the
+loss, without a second autograd pass), so it goes through momentum and
+weight decay like the task gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from flwr.app import RecordDict
+
+from clients.base import LocalSolver
+
+
+class FedProxSolver(LocalSolver):
+    """Local SGD on the proximal objective; ``mu`` from ``fedprox.mu``."""
+
+    anchor: list[torch.Tensor]
+
+    def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: RecordDict) -> None:
+        self.mu = float(config.get("proximal-mu", self.params.mu))
+        self.anchor = [p.detach().clone() for p in model.parameters()]
+
+    def transform_gradients(self, model: torch.nn.Module) -> None:
+        if self.mu == 0.0:
+            return
+        for p, w0 in zip(model.parameters(), self.anchor):
+            p.grad.add_(p.detach() - w0, alpha=self.mu)

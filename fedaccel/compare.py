@@ -1,0 +1,395 @@
+"""Compare several fedaccel runs: one plot and one Markdown table.
+
+Command line::
+
+    fedaccel-compare RUN_DIR [RUN_DIR ...] [--out DIR] [--target ACC]
+                     [--label-key KEY] [--group-seeds]
+
+(also ``python -m fedaccel.compare ...``).  Writes into ``--out`` (default
+``results/compare``):
+
+``comparison.png``
+    accg vs rounds and accg vs cumulative MB, one line per run (or, with
+    ``--group-seeds``, the mean over seeds with a +-1 std band per group).
+``comparison.md``
+    A Markdown table with columns run, algo, final, best, mean of last 20,
+    rounds to target, total MB.  Accuracies are percentages with 2 decimals,
+    "-" where a value is missing.
+
+All statistics are recomputed from each run's ``metrics.jsonl`` with
+:func:`fedaccel.results.summarize`, so runs that crashed before writing
+``summary.json`` can still be compared.  The target is each run's own
+``target_accuracy`` (from ``summary.json``, else the run config's
+``target-accuracy``) unless ``--target`` overrides it for all runs.
+
+``--group-seeds`` groups runs whose configs are identical apart from
+``seed``, ``run-name`` and ``results-dir`` and reports, per group, the mean
++- sample standard deviation (ddof=1; 0 for a single seed) of final / best /
+mean-of-last-20 accuracy and total MB, and the mean rounds to target over the
+seeds that reached it together with how many did ("k/n").
+
+Errors (missing directory, missing/malformed files, a run with no metrics)
+print one line ``fedaccel-compare: error: ...`` on stderr and give exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedaccel.results import (
+    _check_accuracy,
+    _new_figure,
+    _num,
+    _style_axes,
+    cumulative_mb,
+    load_run,
+    summarize,
+)
+
+__all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "RunInfo", "SEED_KEYS"]
+
+#: Config keys ignored when deciding whether runs differ only by seed.
+SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir"})
+
+PNG_NAME = "comparison.png"
+MD_NAME = "comparison.md"
+PROG = "fedaccel-compare"
+
+
+@dataclass
+class RunInfo:
+    """One loaded run, with its summary recomputed for the chosen target."""
+
+    path: Path
+    config: dict
+    rows: list[dict]
+    summary: dict
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def algo(self) -> str:
+        return str(self.config.get("algo", "?"))
+
+
+@dataclass
+class Group:
+    """Runs that differ only by seed."""
+
+    runs: list[RunInfo]
+    label: str = ""
+    seeds: list[Any] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- #
+# loading
+# --------------------------------------------------------------------------- #
+def _run_target(config: dict, summary: dict) -> float | None:
+    if "target_accuracy" in summary:
+        return _num(summary.get("target_accuracy"))
+    return _num(config.get("target-accuracy", config.get("target_accuracy")))
+
+
+def load_runs(run_dirs: Sequence[str | Path], target: float | None = None) -> list[RunInfo]:
+    """Load every run and recompute its summary.
+
+    ``target`` (a fraction) overrides each run's own target accuracy.
+    Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path,
+    also for a run whose ``metrics.jsonl`` has no rows.
+    """
+    if not run_dirs:
+        raise ValueError("no run directories given")
+    runs = []
+    for d in run_dirs:
+        path = Path(d)
+        config, rows, summary = load_run(path, require_summary=False)
+        if not rows:
+            raise ValueError(f"no metrics in {path / 'metrics.jsonl'} (run has no rounds)")
+        tgt = target if target is not None else _run_target(config, summary)
+        runs.append(RunInfo(path=path, config=config, rows=rows, summary=summarize(rows, tgt)))
+    return runs
+
+
+def _label_base(config: dict, label_key: str | None) -> str:
+    if label_key:
+        return str(config.get(label_key, "?"))
+    return str(config.get("algo", "?"))
+
+
+def _assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
+    """Label = algo (or config[label_key]); add the run dir name where labels repeat."""
+    bases = [_label_base(r.config, label_key) for r in runs]
+    for r, base in zip(runs, bases):
+        r.label = f"{base} ({r.name})" if bases.count(base) > 1 else base
+
+
+def _group_key(config: dict) -> str:
+    return json.dumps({k: v for k, v in config.items() if k not in SEED_KEYS}, sort_keys=True, default=str)
+
+
+def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Group]:
+    """Group runs whose configs are equal except for :data:`SEED_KEYS`.
+
+    Groups keep the order of their first run.  Label = algo (or
+    ``config[label_key]``); where several groups would share a label, the
+    config keys that differ between them are appended (``"fedavg (lr=0.1)"``).
+    """
+    groups: dict[str, Group] = {}
+    for r in runs:
+        g = groups.setdefault(_group_key(r.config), Group(runs=[]))
+        g.runs.append(r)
+        g.seeds.append(r.config.get("seed"))
+    out = list(groups.values())
+    bases = [_label_base(g.runs[0].config, label_key) for g in out]
+    for g, base in zip(out, bases):
+        same = [h for h, b in zip(out, bases) if b == base]
+        if len(same) == 1:
+            g.label = base
+            continue
+        cfgs = [h.runs[0].config for h in same]
+        keys = sorted({k for c in cfgs for k in c} - SEED_KEYS)
+        differing = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in cfgs}) > 1]
+        cfg = g.runs[0].config
+        extra = ", ".join(f"{k}={cfg.get(k)}" for k in differing) or g.runs[0].name
+        g.label = f"{base} ({extra})"
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# formatting
+# --------------------------------------------------------------------------- #
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.2f}"
+
+
+def _pct_pm(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, s = _mean_std(values)
+    return f"{100.0 * m:.2f} ± {100.0 * s:.2f}"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof=1; 0.0 for a single value)."""
+    m = statistics.fmean(values)
+    s = statistics.stdev(values) if len(values) > 1 else 0.0
+    return m, s
+
+
+def _md_table(header: list[str], rows: list[list[str]], align_right_from: int = 2) -> str:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" if i < align_right_from else "---:" for i in range(len(header))) + "|")
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _runs_table(runs: list[RunInfo]) -> str:
+    header = ["run", "algo", "final (%)", "best (%)", "mean of last 20 (%)", "rounds to target", "total MB"]
+    body = []
+    for r in runs:
+        s = r.summary
+        rtt = s["rounds_to_target"]
+        body.append([
+            r.name,
+            r.algo,
+            _pct(s["final_accg"]),
+            _pct(s["best_accg"]),
+            _pct(s["mean_last_20_accg"]),
+            "-" if rtt is None else str(rtt),
+            f"{s['total_mb']:.2f}",
+        ])
+    return _md_table(header, body)
+
+
+def _groups_table(groups: list[Group]) -> str:
+    header = [
+        "group", "algo", "seeds", "final (%)", "best (%)", "mean of last 20 (%)",
+        "rounds to target (reached)", "total MB",
+    ]
+    body = []
+    for g in groups:
+        sums = [r.summary for r in g.runs]
+        col = lambda k: [s[k] for s in sums if s[k] is not None]  # noqa: E731
+        reached = col("rounds_to_target")
+        n = len(sums)
+        rtt = f"{statistics.fmean(reached):.1f} ({len(reached)}/{n})" if reached else f"- (0/{n})"
+        mb_m, mb_s = _mean_std(col("total_mb"))
+        body.append([
+            g.label,
+            g.runs[0].algo,
+            str(n),
+            _pct_pm(col("final_accg")),
+            _pct_pm(col("best_accg")),
+            _pct_pm(col("mean_last_20_accg")),
+            rtt,
+            f"{mb_m:.2f} ± {mb_s:.2f}",
+        ])
+    return _md_table(header, body)
+
+
+def _target_note(runs: list[RunInfo], override: float | None) -> str:
+    if override is not None:
+        return f"Target accuracy: {100 * override:.2f}% (set with --target)."
+    targets = {r.name: r.summary["target_accuracy"] for r in runs}
+    distinct = set(targets.values())
+    if distinct == {None}:
+        return "Target accuracy: none set (rounds to target is '-')."
+    if len(distinct) == 1:
+        return f"Target accuracy: {100 * next(iter(distinct)):.2f}% (from the runs)."
+    parts = ", ".join(f"{n}: {'-' if t is None else f'{100 * t:.2f}%'}" for n, t in targets.items())
+    return f"Target accuracy per run: {parts}."
+
+
+# --------------------------------------------------------------------------- #
+# plotting
+# --------------------------------------------------------------------------- #
+def _accg_points(rows: list[dict]) -> tuple[list, list, list]:
+    xs, mbs, ys = [], [], []
+    for row, mb in zip(rows, cumulative_mb(rows)):
+        a = _num(row.get("accg"))
+        if a is not None:
+            xs.append(row.get("round"))
+            mbs.append(mb)
+            ys.append(a)
+    return xs, mbs, ys
+
+
+def _plot_runs(runs: list[RunInfo], path: Path) -> None:
+    fig, (ax_r, ax_mb) = _new_figure()
+    for i, r in enumerate(runs):
+        xs, mbs, ys = _accg_points(r.rows)
+        ax_r.plot(xs, ys, "-", color=f"C{i % 10}", label=r.label)
+        ax_mb.plot(mbs, ys, "-", color=f"C{i % 10}", label=r.label)
+    _style_axes(ax_r, ax_mb)
+    ax_r.legend(loc="lower right", fontsize="small")
+    fig.suptitle("fedaccel comparison")
+    fig.savefig(path, dpi=110)
+
+
+def _plot_groups(groups: list[Group], path: Path) -> None:
+    """Mean accg (+-1 std band) over seeds at the rounds all seeds recorded."""
+    import numpy as np
+
+    fig, (ax_r, ax_mb) = _new_figure()
+    for i, g in enumerate(groups):
+        per_run = []
+        for r in g.runs:
+            xs, mbs, ys = _accg_points(r.rows)
+            per_run.append({x: (mb, y) for x, mb, y in zip(xs, mbs, ys)})
+        common = sorted(set.intersection(*(set(d) for d in per_run)))
+        if not common:
+            continue
+        acc = np.array([[d[x][1] for x in common] for d in per_run])
+        mb = np.array([[d[x][0] for x in common] for d in per_run]).mean(axis=0)
+        mean = acc.mean(axis=0)
+        std = acc.std(axis=0, ddof=1) if len(per_run) > 1 else np.zeros_like(mean)
+        color = f"C{i % 10}"
+        label = f"{g.label} (n={len(g.runs)})"
+        for ax, x in ((ax_r, np.array(common, dtype=float)), (ax_mb, mb)):
+            ax.plot(x, mean, "-", color=color, label=label)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+    _style_axes(ax_r, ax_mb)
+    ax_r.legend(loc="lower right", fontsize="small")
+    fig.suptitle("fedaccel comparison (mean ± std over seeds)")
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------- #
+# API
+# --------------------------------------------------------------------------- #
+def _is_compare_output(path: Path, out: Path) -> bool:
+    """True for *out* itself or an earlier comparison folder (not a run)."""
+    if path.resolve() == out.resolve():
+        return True
+    return (path / MD_NAME).is_file() and not (path / "config.json").exists()
+
+
+def compare_runs(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    target: float | None = None,
+    label_key: str | None = None,
+    group_seeds: bool = False,
+) -> str:
+    """Write ``comparison.png`` and ``comparison.md`` into *out_dir*; return the Markdown.
+
+    ``target`` is a fraction in [0, 1] overriding every run's own target
+    (rounds to target is then recomputed from the rows).  ``label_key``
+    picks the config key used for legend labels instead of ``algo``.
+    With ``group_seeds=True`` a per-group table (mean ± std over seeds) comes
+    first, followed by the per-run table, and the plot shows group means.
+
+    Folders that are comparison outputs (*out_dir* itself, or any folder with
+    ``comparison.md`` and no ``config.json``) are skipped, so
+    ``fedaccel-compare results/*`` works after a first comparison.
+    Raises ``FileNotFoundError`` / ``ValueError`` (with the path) on bad input.
+    """
+    target = _check_accuracy("--target", target)
+    out = Path(out_dir)
+    run_dirs = [d for d in run_dirs if not _is_compare_output(Path(d), out)]
+    runs = load_runs(run_dirs, target)
+    _assign_run_labels(runs, label_key)
+    out.mkdir(parents=True, exist_ok=True)
+
+    parts = ["# fedaccel comparison", ""]
+    if group_seeds:
+        groups = group_by_seed(runs, label_key)
+        parts += ["## Grouped over seeds (mean ± std)", "", _groups_table(groups), "", "## Runs", ""]
+        _plot_groups(groups, out / PNG_NAME)
+    else:
+        _plot_runs(runs, out / PNG_NAME)
+    parts += [_runs_table(runs), "", _target_note(runs, target), "", f"![comparison]({PNG_NAME})", ""]
+    md = "\n".join(parts)
+    (out / MD_NAME).write_text(md, encoding="utf-8")
+    return md
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Compare fedaccel runs: writes comparison.png and comparison.md.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="results/<run-name> directories")
+    p.add_argument("--out", default="results/compare", metavar="DIR",
+                   help="output directory (default: results/compare)")
+    p.add_argument("--target", type=float, default=None, metavar="ACC",
+                   help="target accuracy as a fraction in [0, 1] for every run "
+                        "(default: each run's own target_accuracy)")
+    p.add_argument("--label-key", default=None, metavar="KEY",
+                   help="config key used for legend labels (default: algo)")
+    p.add_argument("--group-seeds", action="store_true",
+                   help="group runs that differ only in seed and report mean ± std over seeds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fedaccel-compare``; returns the exit code (0 ok, 2 error)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage / help
+        return int(e.code) if isinstance(e.code, int) else 2
+    try:
+        md = compare_runs(args.run_dirs, args.out, target=args.target,
+                          label_key=args.label_key, group_seeds=args.group_seeds)
+    except (OSError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(md)
+    out = Path(args.out).resolve()
+    print(f"[fedaccel] wrote {out / MD_NAME} and {out / PNG_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

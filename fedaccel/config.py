@@ -1,0 +1,266 @@
+"""Typed, validated run configuration.
+
+Flower hands both apps a flat ``run_config`` dict (nested TOML tables arrive
+as dotted keys such as ``fedprox.mu``). :func:`parse_run_config` turns it into
+a frozen :class:`RunConfig`, checking every value once, on the server and on
+every client, so a bad value is one clear line naming the key, the value and
+what is allowed instead of a traceback from deep inside training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message is one line for the user."""
+
+
+def config_error(key: str, value: Any, allowed: str) -> ConfigError:
+    """Build the one-line error used for every invalid key."""
+    return ConfigError(f"invalid run config: {key}={value!r}: {allowed}")
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise :class:`ConfigError` for ``key`` unless ``ok``."""
+    if not ok:
+        raise config_error(key, value, allowed)
+
+
+def _number(cfg: Mapping[str, Any], key: str) -> float:
+    value = cfg[key]
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value),
+        key, value, "must be a finite number",
+    )
+    return float(value)
+
+
+def _integer(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
+    value = cfg[key]
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    require(ok and value >= minimum, key, value, f"must be an integer >= {minimum}")
+    return int(value)
+
+
+def _string(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...] | None = None) -> str:
+    value = cfg[key]
+    require(isinstance(value, str), key, value, "must be a string (quote it: key='value')")
+    if choices is not None:
+        require(value in choices, key, value, f"allowed: {', '.join(choices)}")
+    return value
+
+
+def _boolean(cfg: Mapping[str, Any], key: str) -> bool:
+    value = cfg[key]
+    require(isinstance(value, bool), key, value, "must be true or false")
+    return value
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """FedProx Synthetic-(alpha, beta) generator settings (``synthetic.*``)."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    iid: bool = False
+    max_samples: int = 1000
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every shared run-config key, validated. Algorithm keys live in ``algo_params``."""
+
+    algo: str
+    dataset: str
+    model: str
+    partition: str
+    dirichlet_alpha: float
+    num_server_rounds: int
+    clients_per_round: float  # >= 1: a count; in (0, 1]: a fraction of all clients
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    results_dir: str
+    run_name: str
+    target_accuracy: float
+    eval_every: int
+    accl_every: int
+    local_test_fraction: float
+    data_dir: str
+    device: str
+    synthetic: SyntheticConfig
+    algo_params: Any = None  # the algorithm's own typed config dataclass
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def cohort_size(self, num_clients: int) -> int:
+        """Clients trained per round, from a count or a fraction of ``num_clients``."""
+        if self.clients_per_round > 1 or float(self.clients_per_round).is_integer():
+            size = int(self.clients_per_round)
+        else:
+            size = max(1, int(round(self.clients_per_round * num_clients)))
+        if size > num_clients:
+            raise config_error(
+                "clients-per-round", _display(self.clients_per_round),
+                f"exceeds the {num_clients} clients in the federation; use at most "
+                f"{num_clients}, or more SuperNodes (flwr run --federation-config "
+                f"\"num-supernodes=N\"; fast runner: --num-clients N)",
+            )
+        return size
+
+    def is_eval_round(self, server_round: int) -> bool:
+        """Server-side test evaluation happens every ``eval-every`` rounds and at the end."""
+        return server_round % self.eval_every == 0 or server_round == self.num_server_rounds
+
+    def is_accl_round(self, server_round: int) -> bool:
+        """Client local-test evaluation (ACCL) every ``accl-every`` rounds and at the end."""
+        if self.accl_every == 0:
+            return False
+        return server_round % self.accl_every == 0 or server_round == self.num_server_rounds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The full resolved config as written to ``config.json``."""
+        out = dict(self.raw)
+        out["resolved"] = {
+            f.name: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+            for f in dataclasses.fields(self)
+            if f.name != "raw"
+            for v in [getattr(self, f.name)]
+        }
+        return out
+
+
+def _display(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> Any:
+    """Build an algorithm's typed config from ``<prefix>.<field-name>`` keys.
+
+    Field ``server_momentum`` reads key ``<prefix>.server-momentum``; missing keys
+    keep the dataclass default. The dataclass's ``validate()`` (if any) raises
+    :class:`ConfigError` for out-of-range values.
+    """
+    values = {}
+    for f in dataclasses.fields(params_cls):
+        key = f"{prefix}.{f.name.replace('_', '-')}"
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        default = f.default
+        if isinstance(default, bool):
+            require(isinstance(value, bool), key, value, "must be true or false")
+        elif isinstance(default, (int, float)):
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value),
+                key, value, "must be a finite number",
+            )
+            value = type(default)(value) if isinstance(default, float) else value
+        elif isinstance(default, str):
+            require(isinstance(value, str), key, value, "must be a string (quote it)")
+        values[f.name] = value
+    params = params_cls(**values)
+    if hasattr(params, "validate"):
+        params.validate(prefix)
+    return params
+
+
+def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
+    """Validate a Flower run config and return the typed :class:`RunConfig`."""
+    # Imported here: the registry imports strategies, which import this module.
+    from data import DATASETS, PARTITIONS
+    from models import MODELS
+    from fedaccel.registry import get_algorithm, algorithm_names
+
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ConfigError(
+            "run config is missing keys " + ", ".join(missing)
+            + ": run from the project folder (flwr run .) so pyproject.toml supplies them"
+        )
+    algo = _string(cfg, "algo")
+    require(algo in algorithm_names(), "algo", algo, f"allowed: {', '.join(algorithm_names())}")
+    spec = get_algorithm(algo)
+
+    cpr = _number(cfg, "clients-per-round")
+    require(
+        cpr > 0 and (cpr <= 1 or cpr.is_integer()), "clients-per-round", cfg["clients-per-round"],
+        "must be a whole number of clients >= 1 or a fraction in (0, 1]",
+    )
+    alpha = _number(cfg, "dirichlet-alpha")
+    require(alpha > 0, "dirichlet-alpha", cfg["dirichlet-alpha"], "must be > 0 (smaller = more heterogeneous)")
+    lr = _number(cfg, "lr")
+    require(lr > 0, "lr", cfg["lr"], "must be > 0")
+    momentum = _number(cfg, "momentum")
+    require(0 <= momentum < 1, "momentum", cfg["momentum"], "must be in [0, 1)")
+    wd = _number(cfg, "weight-decay")
+    require(wd >= 0, "weight-decay", cfg["weight-decay"], "must be >= 0")
+    target = _number(cfg, "target-accuracy")
+    require(0 <= target <= 1, "target-accuracy", cfg["target-accuracy"],
+            "must be a fraction in [0, 1] (e.g. 0.8 for 80%)")
+    ltf = _number(cfg, "local-test-fraction")
+    require(0 <= ltf < 1, "local-test-fraction", cfg["local-test-fraction"], "must be in [0, 1)")
+    model = _string(cfg, "model", ("auto",) + tuple(MODELS))
+    dataset = _string(cfg, "dataset", tuple(DATASETS))
+    partition = _string(cfg, "partition", tuple(PARTITIONS))
+    run_name = _string(cfg, "run-name")
+    require("/" not in run_name and run_name not in (".", ".."), "run-name", run_name,
+            "must be a plain folder name without '/'")
+
+    synthetic = SyntheticConfig(
+        alpha=_number(cfg, "synthetic.alpha") if "synthetic.alpha" in cfg else 1.0,
+        beta=_number(cfg, "synthetic.beta") if "synthetic.beta" in cfg else 1.0,
+        iid=_boolean(cfg, "synthetic.iid") if "synthetic.iid" in cfg else False,
+        max_samples=(_integer(cfg, "synthetic.max-samples", 2)
+                     if "synthetic.max-samples" in cfg else 1000),
+    )
+    require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
+    require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")
+
+    return RunConfig(
+        algo=algo,
+        dataset=dataset,
+        model=model,
+        partition=partition,
+        dirichlet_alpha=alpha,
+        num_server_rounds=_integer(cfg, "num-server-rounds", 1),
+        clients_per_round=cpr,
+        local_epochs=_integer(cfg, "local-epochs", 1),
+        batch_size=_integer(cfg, "batch-size", 1),
+        lr=lr,
+        momentum=momentum,
+        weight_decay=wd,
+        seed=_integer(cfg, "seed", 0),
+        results_dir=_string(cfg, "results-dir"),
+        run_name=run_name,
+        target_accuracy=target,
+        eval_every=_integer(cfg, "eval-every", 1),
+        accl_every=_integer(cfg, "accl-every", 0),
+        local_test_fraction=ltf,
+        data_dir=_string(cfg, "data-dir"),
+        device=_string(cfg, "device", DEVICES),
+        synthetic=synthetic,
+        algo_params=parse_algo_params(spec.params, spec.prefix, cfg),
+        raw=dict(cfg),
+    )
+
+
+_REQUIRED = (
+    "algo", "dataset", "model", "partition", "dirichlet-alpha", "num-server-rounds",
+    "clients-per-round", "local-epochs", "batch-size", "lr", "momentum", "weight-decay",
+    "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
+    "local-test-fraction", "data-dir", "device",
+)

@@ -1,0 +1,167 @@
+"""The server side of one run: discover clients, run the strategy, record results.
+
+:func:`run_experiment` is what the ServerApp's ``main`` does, in Flower's
+simulation, on a real SuperLink, and in the fast runner alike.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime
+from logging import INFO
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedaccel.config import RunConfig
+from fedaccel.errors import FederationError
+from fedaccel.registry import get_algorithm
+from fedaccel.results import RunRecorder
+from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
+from fedaccel.torch_utils import arrays_to_tensors, evaluate, select_device, state_to_arrays
+from strategies.base import Federation
+
+
+def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -> Federation:
+    """Learn which data partition every node holds, waiting for all of them.
+
+    Node ids are random per run and only clients see their ``partition-id``,
+    so the server asks each node once (a ``query`` message). It waits until
+    ``num-partitions`` distinct partitions have answered, or fails after
+    ``timeout`` seconds with a message saying how many are missing.
+    """
+    deadline = time.monotonic() + timeout
+    partition_of: dict[int, int] = {}
+    expected: int | None = None
+    while True:
+        new = [n for n in grid.get_node_ids() if n not in partition_of]
+        if new:
+            messages = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY)
+                        for node in new]
+            for reply in grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), 1.0)):
+                if reply.has_error():
+                    raise FederationError(
+                        f"node {reply.metadata.src_node_id} could not report its partition: "
+                        f"{reply.error.reason.strip().splitlines()[-1]}")
+                rec = reply.content.config_records["partition"]
+                pid, n = int(rec["partition-id"]), int(rec["num-partitions"])
+                if expected is not None and n != expected:
+                    raise FederationError(
+                        f"nodes disagree on num-partitions ({n} vs {expected}); "
+                        "give every SuperNode the same --node-config num-partitions")
+                expected = n
+                if pid in partition_of.values():
+                    raise FederationError(f"two nodes claim partition-id={pid}; each needs its own")
+                partition_of[reply.metadata.src_node_id] = pid
+        if expected is not None and len(partition_of) >= expected:
+            return Federation({pid: node for node, pid in partition_of.items()})
+        if time.monotonic() > deadline:
+            raise FederationError(
+                f"only {len(partition_of)} of {expected if expected is not None else '?'} clients "
+                f"registered within {timeout:.0f} s; start the missing SuperNodes")
+        time.sleep(poll)
+
+
+def resolve_run_dir(cfg: RunConfig) -> Path:
+    """``results-dir``/``run-name``; the name defaults to algo-dataset-seed-time."""
+    name = cfg.run_name or (
+        f"{cfg.algo}-{cfg.dataset}-seed{cfg.seed}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    return (Path(cfg.results_dir).expanduser() / name).resolve()
+
+
+class Experiment:
+    """One run on the server: model, test set, strategy and recorder."""
+
+    def __init__(self, cfg: RunConfig, federation: Federation, quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.federation = federation
+        self.spec = get_algorithm(cfg.algo)
+        dataset = load_data(data_config_for(cfg, federation.num_clients))
+        self.device = select_device(cfg.device)
+        self.model = build_model_for(cfg, dataset).to(self.device)
+        self.test_x = torch.from_numpy(dataset.test_x).to(self.device)
+        self.test_y = torch.from_numpy(dataset.test_y).to(self.device)
+        self.strategy = self.spec.build_strategy(cfg, federation)
+        self.run_dir = resolve_run_dir(cfg)
+        resolved = cfg.to_dict()
+        resolved["resolved"].update({
+            "model": model_name(cfg),
+            "num-clients": federation.num_clients,
+            "cohort-size": self.strategy.cohort_size,
+            "partition-sizes": dataset.partition_sizes(),
+            "global-test-size": int(dataset.test_y.shape[0]),
+        })
+        self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
+                                    cfg.num_server_rounds, quiet=quiet)
+        self._round_start = time.perf_counter()
+
+    def evaluate_global(self, arrays: ArrayRecord) -> tuple[float, float]:
+        """Loss and accuracy of ``arrays`` on the fixed global test set."""
+        self.model.load_state_dict(arrays_to_tensors(arrays, self.device))
+        return evaluate(self.model, self.test_x, self.test_y)
+
+    def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        """Flower's ``evaluate_fn``: called after every round (and once before round 1)."""
+        if server_round == 0:
+            loss, acc = self.evaluate_global(arrays)
+            log(INFO, "[fedaccel] initial model: accg %.4f loss %.4f", acc, loss)
+            self._round_start = time.perf_counter()
+            return MetricRecord({"accg": acc, "loss": loss})
+        accg = loss = None
+        if self.cfg.is_eval_round(server_round):
+            loss, accg = self.evaluate_global(arrays)
+        stats = self.strategy.rounds.get(server_round)
+        now = time.perf_counter()
+        row = {
+            "round": server_round,
+            "accg": accg,
+            "loss": loss,
+            "accl": stats.accl if stats else None,
+            "bytes_up": stats.bytes_up if stats else 0,
+            "bytes_down": stats.bytes_down if stats else 0,
+            "seconds": now - self._round_start,
+            "train_loss": stats.train_loss if stats else None,
+            "clients": stats.replies if stats else 0,
+            "failures": stats.failures if stats else 0,
+        }
+        self._round_start = now
+        self.recorder.log_round(row)
+        return None if accg is None else MetricRecord({"accg": accg, "loss": loss})
+
+    def run(self, grid: Grid) -> dict:
+        """Train for ``num-server-rounds`` and write every results file."""
+        initial = state_to_arrays(self.model)
+        self.strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=self.cfg.num_server_rounds,
+            evaluate_fn=self.on_round_end,
+        )
+        return self.recorder.finish()
+
+
+_LAST_RUN: list[Path] = []
+
+
+def last_run_dir() -> Path | None:
+    """The results folder of the latest run in this process (for the fast runner)."""
+    return _LAST_RUN[-1] if _LAST_RUN else None
+
+
+def run_experiment(grid: Grid, run_config: dict) -> dict:
+    """Parse config, discover clients, run; returns the summary.
+
+    ``FEDACCEL_QUIET=1`` in the environment silences the per-round lines.
+    """
+    from fedaccel.config import parse_run_config
+
+    cfg = parse_run_config(run_config)
+    federation = discover_federation(grid)
+    cfg.cohort_size(federation.num_clients)  # fail before any work if too many
+    experiment = Experiment(cfg, federation, quiet=os.environ.get("FEDACCEL_QUIET") == "1")
+    _LAST_RUN.append(experiment.run_dir)
+    return experiment.run(grid)

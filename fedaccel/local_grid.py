@@ -1,0 +1,105 @@
+"""A Grid that runs the ClientApp in this process: the fast local runner.
+
+Flower ships two Grids: the gRPC one (SuperLink) and the in-memory one its
+Ray simulation drives through a LinkState, with 0.1 s polling. Neither runs a
+ClientApp synchronously in one process, so this Grid is written here by hand.
+It delivers each message to ``client_app(message, context)`` directly, keeps
+one :class:`~flwr.app.Context` (with its persistent ``state``) per simulated
+node, and turns client exceptions into error replies as Flower does. The same
+ServerApp and ClientApp objects run unchanged on it.
+"""
+
+from __future__ import annotations
+
+import traceback
+import uuid
+from collections.abc import Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedaccel.torch_utils import derive_seed
+
+CLIENT_APP_RAISED_EXCEPTION = 4  # Flower's error code for a ClientApp exception
+SUPERLINK_NODE_ID = 1  # the server's node id, as in Flower
+
+
+class LocalGrid(Grid):
+    """In-process Grid over ``num_clients`` simulated nodes.
+
+    Node ids are derived from ``seed`` (Flower's are random), partition ids
+    are ``0..num_clients-1`` as in ``flwr run``'s simulation.
+    """
+
+    def __init__(self, client_app: ClientApp, run_config: dict, num_clients: int,
+                 seed: int = 0, run_id: int = 1) -> None:
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        # Message() reads the sender's identity from the process, as the
+        # ServerApp process sets it under flwr run.
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 0
+        self._pending: dict[str, Message] = {}
+        self._replies: dict[str, Message] = {}
+        self.contexts: dict[int, Context] = {}
+        for pid in range(num_clients):
+            node_id = derive_seed(seed, "node", pid) or pid + 1
+            self.contexts[node_id] = Context(
+                run_id=run_id,
+                node_id=node_id,
+                node_config={"partition-id": pid, "num-partitions": num_clients},
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
+
+    # ----------------------------------------------------------- Grid API
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message_id = uuid.uuid4().hex
+            message.metadata.__dict__["_message_id"] = message_id
+            self._pending[message_id] = message
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        out = []
+        for message_id in message_ids:
+            if message_id in self._pending:
+                self._replies[message_id] = self._deliver(self._pending.pop(message_id))
+            if message_id in self._replies:
+                out.append(self._replies.pop(message_id))
+        return out
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    # ------------------------------------------------------------ helpers
+    def _deliver(self, message: Message) -> Message:
+        context = self.contexts.get(message.metadata.dst_node_id)
+        if context is None:
+            return Message(Error(CLIENT_APP_RAISED_EXCEPTION,
+                                 f"unknown node {message.metadata.dst_node_id}"), reply_to=message)
+        try:
+            reply = self.client_app(message, context)
+        except Exception as err:  # a client failure is a reply, as in Flower
+            reason = "".join(traceback.format_exception_only(type(err), err)).strip()
+            return Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+        return reply

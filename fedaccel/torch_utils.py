@@ -1,0 +1,81 @@
+"""Small torch helpers shared by the server and every local solver."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord
+
+
+def select_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when a GPU is visible to this process, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from fedaccel.config import config_error
+
+        raise config_error("device", name, "no CUDA device is visible here; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 63-bit seed from parts (run seed, round, partition id, purpose).
+
+    Python's ``hash`` is salted per process, so it cannot be used: the same
+    client must draw the same batches in Ray workers and in the fast runner.
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def seeded_generator(*parts: int | str) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded by :func:`derive_seed`."""
+    gen = torch.Generator()
+    gen.manual_seed(derive_seed(*parts))
+    return gen
+
+
+def state_to_arrays(model: torch.nn.Module) -> ArrayRecord:
+    """The model's state dict as an ArrayRecord (copied to CPU)."""
+    return ArrayRecord(
+        OrderedDict((k, v.detach().cpu()) for k, v in model.state_dict().items())
+    )
+
+
+def arrays_to_tensors(arrays: ArrayRecord, device: torch.device) -> OrderedDict[str, torch.Tensor]:
+    """ArrayRecord -> ordered dict of tensors on ``device`` (fresh copies)."""
+    return OrderedDict(
+        (k, torch.from_numpy(np.asarray(a.numpy())).to(device)) for k, a in arrays.items()
+    )
+
+
+def payload_bytes(arrays: ArrayRecord) -> int:
+    """Serialized size of an ArrayRecord's arrays: what actually crosses the wire."""
+    return sum(len(a.data) for a in arrays.values())
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int = 2048,
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy (a fraction) of ``model`` on (x, y)."""
+    n = int(y.shape[0])
+    if n == 0:
+        return float("nan"), float("nan")
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n, batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == yb).sum())
+    model.train(was_training)
+    return loss_sum / n, correct / n

@@ -1,0 +1,132 @@
+"""Small fully-connected and convolutional models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def mlp_hidden_size(in_features: int) -> int:
+    """Hidden width of the ``mlp`` model: 32 when ``in_features <= 100`` else 128.
+
+    32 reproduces the 60-32-10 MLP of FedProx / FedCDR on the synthetic data;
+    128 gives the usual 784-128-10 MNIST MLP.
+    """
+    return 32 if in_features <= 100 else 128
+
+
+class LogReg(nn.Module):
+    """Multinomial logistic regression: Flatten + Linear(d, classes).
+
+    Always ``num_classes`` logits (2 logits for a binary task, not 1).
+    """
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.fc = nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.flatten(x))
+
+
+class MLP(nn.Module):
+    """One-hidden-layer MLP: d - h - classes with ReLU.
+
+    The hidden width follows :func:`mlp_hidden_size`: ``h = 32`` when
+    ``d <= 100`` (the FedProx/FedCDR 60-32-10 MLP) and ``h = 128`` otherwise
+    (784-128-10).  Pass ``hidden`` to override.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int | None = None) -> None:
+        super().__init__()
+        h = mlp_hidden_size(in_features) if hidden is None else hidden
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(in_features, h)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(h, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.relu(self.fc1(self.flatten(x))))
+
+
+class MLP200(nn.Module):
+    """The "2NN" of McMahan et al. 2017: d - 200 - 200 - classes with ReLU."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 200) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.fc1(self.flatten(x)))
+        x = self.relu(self.fc2(x))
+        return self.fc(x)
+
+
+class McMahanCNN(nn.Module):
+    """The two-convolution CNN of McMahan et al. 2017 (FedAvg paper).
+
+    conv5x5(32, pad 2) - ReLU - maxpool2 - conv5x5(64, pad 2) - ReLU - maxpool2
+    - Linear(-> 512) - ReLU - Linear(512 -> classes).  The flatten size is
+    computed from ``input_shape``: 64*7*7 for 1x28x28 (1,663,370 parameters with
+    10 classes), 64*8*8 for 3x32x32, 64*2*2 for 1x8x8.
+    """
+
+    MIN_SIDE = 4  # two 2x2 max-pools need H, W >= 4
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1 = nn.Conv2d(c, 32, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(64 * (h // 2 // 2) * (w // 2 // 2), 512)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.relu(self.conv1(x)))
+        x = self.pool(self.relu(self.conv2(x)))
+        x = self.relu(self.fc1(self.flatten(x)))
+        return self.fc(x)
+
+
+class CifarCNN(nn.Module):
+    """Small CIFAR CNN of FedDyn (Acar et al. 2021), also used by FedACG.
+
+    It is the TensorFlow-tutorial CIFAR model that the FedAvg paper used, with
+    unpadded convolutions: conv5x5(64) - ReLU - maxpool2 - conv5x5(64) - ReLU -
+    maxpool2 - Linear(-> 384) - ReLU - Linear(384 -> 192) - ReLU -
+    Linear(192 -> classes).  On 3x32x32 the flatten size is 64*5*5 = 1600 and
+    the model has 797,962 parameters with 10 classes (815,332 with 100).
+    """
+
+    MIN_SIDE = 16  # smallest side that leaves >= 1 pixel after conv-pool-conv-pool
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = input_shape
+
+        def out(side: int) -> int:
+            return ((side - 4) // 2 - 4) // 2
+
+        self.conv1 = nn.Conv2d(c, 64, kernel_size=5)
+        self.conv2 = nn.Conv2d(64, 64, kernel_size=5)
+        self.relu = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.flatten = nn.Flatten()
+        self.fc1 = nn.Linear(64 * out(h) * out(w), 384)
+        self.fc2 = nn.Linear(384, 192)
+        self.fc = nn.Linear(192, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.relu(self.conv1(x)))
+        x = self.pool(self.relu(self.conv2(x)))
+        x = self.relu(self.fc1(self.flatten(x)))
+        x = self.relu(self.fc2(x))
+        return self.fc(x)

@@ -1,0 +1,223 @@
+"""Server-side machinery shared by every algorithm.
+
+:class:`FedAccelStrategy` is a mixin placed before one of Flower's own
+strategies (``FedAvg``, ``FedProx``, ``FedAvgM``, ``FedAdam``...) in the MRO.
+It leaves their aggregation untouched and adds what they lack:
+
+- seeded client sampling by *partition id* (Flower's FedAvg samples node ids
+  with Python's unseeded global ``random``, and node ids change every run), so
+  the same seed trains the same clients in the Ray simulation, on real
+  SuperNodes and in the fast runner;
+- replies ordered by partition id before aggregation, so floating-point sums
+  are identical whatever order replies arrive in;
+- truthful communication accounting (serialized bytes of every ArrayRecord
+  sent for training and received back);
+- ACCL: the unweighted mean over clients of the global model's accuracy on
+  each client's local test split (FedRKMGC paper, "Evaluation Metrics");
+- a clear stop when every client of a round failed.
+
+Selection works by handing Flower's ``configure_train`` a :class:`NodeSubset`
+grid whose ``get_node_ids()`` returns only the chosen nodes, with
+``fraction_train = 1``: Flower then builds one message per chosen node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedaccel.config import RunConfig
+from fedaccel.errors import RoundFailedError
+from fedaccel.torch_utils import derive_seed, payload_bytes
+
+
+@dataclass(frozen=True)
+class Federation:
+    """What the server learned about the clients: partition id <-> node id."""
+
+    node_of_partition: dict[int, int]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.node_of_partition)
+
+    @property
+    def partition_of_node(self) -> dict[int, int]:
+        return {node: pid for pid, node in self.node_of_partition.items()}
+
+
+class NodeSubset(Grid):
+    """A read-through view of a Grid that exposes only some node ids."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]) -> None:
+        self._grid = grid
+        self._node_ids = list(node_ids)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
+
+    # Everything else is the real grid's.
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def uniform_cohort(seed: int, server_round: int, num_clients: int, size: int) -> list[int]:
+    """Seeded sampling without replacement of ``size`` partition ids, sorted."""
+    rng = np.random.default_rng(derive_seed(seed, server_round, "cohort"))
+    return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
+
+
+def mean_client_accuracy(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
+    """ACCL: unweighted mean over clients of local-test accuracy (clients with
+    an empty local test split are skipped); also the example-weighted loss."""
+    accs, losses, weights = [], [], []
+    for record in records:
+        metrics = next(iter(record.metric_records.values()))
+        n = float(metrics[weighted_by_key])
+        if n > 0 and math.isfinite(float(metrics["accuracy"])):
+            accs.append(float(metrics["accuracy"]))
+            losses.append(float(metrics["loss"]))
+            weights.append(n)
+    out = MetricRecord({"num-clients": len(accs)})
+    if accs:
+        out["accl"] = float(np.mean(accs))
+        out["loss"] = float(np.average(losses, weights=weights))
+    return out
+
+
+@dataclass
+class RoundLog:
+    """Per-round facts the strategy knows and the recorder writes out."""
+
+    sampled: list[int] = field(default_factory=list)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    replies: int = 0
+    failures: int = 0
+    train_loss: float | None = None
+    accl: float | None = None
+
+
+class FedAccelStrategy:
+    """Mixin: put it first, e.g. ``class S(FedAccelStrategy, FedAvg)``.
+
+    Subclasses (algorithms) may override :meth:`sample_cohort` (which clients
+    train) and :meth:`round_config` (extra values sent to clients).
+    """
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation, **kwargs: Any) -> None:
+        kwargs.setdefault("evaluate_metrics_aggr_fn", mean_client_accuracy)
+        super().__init__(  # type: ignore[call-arg]
+            fraction_train=1.0,
+            fraction_evaluate=1.0,
+            min_train_nodes=1,
+            min_evaluate_nodes=1,
+            min_available_nodes=1,
+            **kwargs,
+        )
+        self.run_cfg = run_cfg
+        self.federation = federation
+        self.cohort_size = run_cfg.cohort_size(federation.num_clients)
+        self.rounds: dict[int, RoundLog] = {}
+
+    # ------------------------------------------------------------- hooks
+    def sample_cohort(self, server_round: int) -> list[int]:
+        """Partition ids that train this round (seeded, without replacement)."""
+        return uniform_cohort(
+            self.run_cfg.seed, server_round, self.federation.num_clients, self.cohort_size
+        )
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """Values every client gets with its training message this round."""
+        return {"lr": self.run_cfg.lr, "local-epochs": self.run_cfg.local_epochs}
+
+    # ------------------------------------------------------------ training
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        cohort = self.sample_cohort(server_round)
+        log_ = self.rounds.setdefault(server_round, RoundLog())
+        log_.sampled = list(cohort)
+        config = ConfigRecord({**dict(config), **self.round_config(server_round)})
+        view = NodeSubset(grid, [self.federation.node_of_partition[p] for p in cohort])
+        messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
+        log_.bytes_down += sum(_message_bytes(m) for m in messages)
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = self._ordered(replies)
+        ok = [m for m in replies if not m.has_error()]
+        log_ = self.rounds.setdefault(server_round, RoundLog())
+        log_.replies, log_.failures = len(ok), len(replies) - len(ok)
+        log_.bytes_up += sum(_message_bytes(m) for m in ok)
+        if not ok:
+            reasons = "; ".join(sorted({m.error.reason.strip().splitlines()[-1] for m in replies}))
+            raise RoundFailedError(
+                f"round {server_round}: all {len(log_.sampled)} sampled clients failed "
+                f"({reasons or 'no reply before the timeout'})"
+            )
+        if log_.failures:
+            log(WARNING, "round %s: %s of %s clients failed; aggregating the rest",
+                server_round, log_.failures, len(replies))
+        arrays, metrics = super().aggregate_train(server_round, ok)  # type: ignore[misc]
+        if metrics is not None and "train-loss" in metrics:
+            log_.train_loss = float(metrics["train-loss"])
+        return arrays, metrics
+
+    # ---------------------------------------------------------- evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if not self.run_cfg.is_accl_round(server_round):
+            return []
+        view = NodeSubset(grid, [self.federation.node_of_partition[p]
+                                 for p in sorted(self.federation.node_of_partition)])
+        return super().configure_evaluate(server_round, arrays, config, view)  # type: ignore[misc]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        metrics = super().aggregate_evaluate(server_round, self._ordered(replies))  # type: ignore[misc]
+        if metrics is not None and "accl" in metrics:
+            self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
+        return metrics
+
+    # ------------------------------------------------------------- helpers
+    def _ordered(self, replies: Iterable[Message]) -> list[Message]:
+        """Replies sorted by the sender's partition id (deterministic sums)."""
+        pid = self.federation.partition_of_node
+        return sorted(replies, key=lambda m: pid.get(m.metadata.src_node_id, -1))
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> fedaccel: algo=%s, %s of %s clients per round, seeded sampling",
+            self.run_cfg.algo, self.cohort_size, self.federation.num_clients)
+        super().summary()  # type: ignore[misc]
+
+
+def _message_bytes(message: Message) -> int:
+    content: RecordDict = message.content
+    return sum(payload_bytes(rec) for rec in content.array_records.values())

@@ -1,0 +1,41 @@
+"""FedProx (Li et al. 2020): FedAvg aggregation, proximal local objective.
+
+Flower's ``FedProx`` strategy sends ``proximal-mu`` with every training
+message; :class:`clients.fedprox.FedProxSolver` adds ``mu (w - w^t)`` to the
+gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flwr.serverapp.strategy import FedProx
+
+from clients.fedprox import FedProxSolver
+from fedaccel.config import RunConfig, require
+from fedaccel.registry import AlgorithmSpec
+from strategies.base import FedAccelStrategy, Federation
+
+
+@dataclass(frozen=True)
+class FedProxParams:
+    """``fedprox.mu``: weight of the proximal term mu/2 ||w - w^t||^2."""
+
+    mu: float = 0.01
+
+    def validate(self, prefix: str) -> None:
+        require(self.mu >= 0, f"{prefix}.mu", self.mu, "must be >= 0 (0 = FedAvg)")
+
+
+class FedProxStrategy(FedAccelStrategy, FedProx):
+    """Flower's FedProx with fedaccel's seeded sampling and accounting."""
+
+
+def build(cfg: RunConfig, federation: Federation) -> FedProxStrategy:
+    return FedProxStrategy(run_cfg=cfg, federation=federation, proximal_mu=cfg.algo_params.mu)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="fedprox", build_strategy=build, solver=FedProxSolver, params=FedProxParams,
+    summary="FedProx: local SGD with a proximal pull to the global model",
+)
