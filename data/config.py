@@ -1,0 +1,134 @@
+"""Data configuration, names and the error type of the `data` package."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+DATASETS: tuple[str, ...] = (
+    "synthetic",
+    "digits",
+    "fashion-mnist",
+    "mnist",
+    "cifar10",
+    "cifar100",
+)
+PARTITIONS: tuple[str, ...] = (
+    "auto",
+    "natural",
+    "iid",
+    "dirichlet",
+    "dirichlet-unbalanced",
+)
+
+
+class DataError(ValueError):
+    """A data configuration or data file problem, with a one-line message.
+
+    Messages name the run-config key as users type it (``dirichlet-alpha``,
+    ``data-dir``, ``synthetic.alpha``, ...), the bad value and what is allowed.
+    """
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Everything that determines a federated dataset (hashable: used as cache key).
+
+    Validated on construction; the checks that need the data itself (too many
+    clients, missing files) happen in :func:`data.load_federated`.
+    """
+
+    dataset: str = "synthetic"
+    num_clients: int = 20
+    # auto = natural for synthetic, dirichlet otherwise
+    partition: str = "auto"
+    dirichlet_alpha: float = 0.3
+    seed: int = 0
+    # "" = the dataset's default directory (or $FEDACCEL_DATA_DIR/<dataset>)
+    data_dir: str = ""
+    # share of each client's samples held out as its local test split; [0, 1)
+    local_test_fraction: float = 0.2
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+    synthetic_iid: bool = False
+    # clip per-client sample counts (FedProx draws lognormal(4, 2) + 50)
+    synthetic_max_samples: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise DataError(
+                f"dataset={self.dataset!r} is unknown; allowed: {', '.join(DATASETS)}"
+            )
+        if self.partition not in PARTITIONS:
+            raise DataError(
+                f"partition={self.partition!r} is unknown; allowed: {', '.join(PARTITIONS)}"
+            )
+        if not _is_int(self.num_clients) or self.num_clients < 1:
+            raise DataError(
+                f"num-clients={self.num_clients!r} is invalid; it must be an integer >= 1"
+            )
+        if not _is_number(self.dirichlet_alpha) or not math.isfinite(self.dirichlet_alpha) \
+                or self.dirichlet_alpha <= 0:
+            raise DataError(
+                f"dirichlet-alpha={self.dirichlet_alpha!r} is invalid; it must be a "
+                "finite number > 0 (small = skewed labels, large = close to IID)"
+            )
+        if not _is_int(self.seed) or self.seed < 0:
+            raise DataError(f"seed={self.seed!r} is invalid; it must be an integer >= 0")
+        if not isinstance(self.data_dir, str):
+            raise DataError(f"data-dir={self.data_dir!r} is invalid; it must be a string path")
+        if not _is_number(self.local_test_fraction) \
+                or not 0.0 <= self.local_test_fraction < 1.0:
+            raise DataError(
+                f"local-test-fraction={self.local_test_fraction!r} is invalid; "
+                "it must be in [0, 1)"
+            )
+        for key, val in (("synthetic.alpha", self.synthetic_alpha),
+                         ("synthetic.beta", self.synthetic_beta)):
+            if not _is_number(val) or not math.isfinite(val) or val < 0:
+                raise DataError(f"{key}={val!r} is invalid; it must be a finite number >= 0")
+        if not isinstance(self.synthetic_iid, (bool, np.bool_)):
+            raise DataError(
+                f"synthetic.iid={self.synthetic_iid!r} is invalid; it must be true or false"
+            )
+        if not _is_int(self.synthetic_max_samples) or self.synthetic_max_samples < 1:
+            raise DataError(
+                f"synthetic.max-samples={self.synthetic_max_samples!r} is invalid; "
+                "it must be an integer >= 1"
+            )
+        if self.dataset == "synthetic" and self.partition not in ("auto", "natural"):
+            raise DataError(
+                f"partition={self.partition!r} is not available for dataset 'synthetic': "
+                "its data is generated per client (natural partition); use partition=auto "
+                "or natural, and synthetic.iid=true for the IID variant"
+            )
+        if self.dataset != "synthetic" and self.partition == "natural":
+            raise DataError(
+                f"partition='natural' is only available for dataset 'synthetic', not "
+                f"{self.dataset!r}; use auto, iid, dirichlet or dirichlet-unbalanced"
+            )
+
+        # Normalise numpy / int scalars so equal configs hash equal (cache key).
+        for name, kind in (("num_clients", int), ("seed", int), ("synthetic_max_samples", int),
+                           ("dirichlet_alpha", float), ("local_test_fraction", float),
+                           ("synthetic_alpha", float), ("synthetic_beta", float),
+                           ("synthetic_iid", bool)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+
+    @property
+    def resolved_partition(self) -> str:
+        """The partition scheme after resolving ``auto``."""
+        if self.partition != "auto":
+            return self.partition
+        return "natural" if self.dataset == "synthetic" else "dirichlet"

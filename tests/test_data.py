@@ -1,0 +1,476 @@
+"""Tests of the `data` package: sources, partitions, errors and augmentation."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data import (
+    DATASETS,
+    PARTITIONS,
+    ClientData,
+    DataConfig,
+    DataError,
+    FederatedDataset,
+    load_federated,
+    random_crop_flip,
+)
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_idx(path: Path, arr: np.ndarray, gz: bool = True) -> None:
+    """Write ``arr`` (uint8) in the IDX format: magic 0x0000 08 ndim, >u4 dims."""
+    arr = np.ascontiguousarray(arr, dtype=np.uint8)
+    data = bytes([0, 0, 0x08, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    data += arr.tobytes()
+    if gz:
+        with gzip.open(path.with_name(path.name + ".gz"), "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def make_idx_dir(root: Path, n_train: int = 200, n_test: int = 50, gz: bool = True) -> Path:
+    rng = np.random.default_rng(123)
+    root.mkdir(parents=True, exist_ok=True)
+    write_idx(root / "train-images-idx3-ubyte", rng.integers(0, 256, (n_train, 28, 28)), gz)
+    write_idx(root / "train-labels-idx1-ubyte", np.arange(n_train) % 10, gz)
+    write_idx(root / "t10k-images-idx3-ubyte", rng.integers(0, 256, (n_test, 28, 28)), gz)
+    write_idx(root / "t10k-labels-idx1-ubyte", np.arange(n_test) % 10, gz)
+    return root
+
+
+def _pickle(path: Path, d: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(d, f, protocol=2)
+
+
+def make_cifar10(parent: Path, per_batch: int = 30, n_test: int = 20) -> Path:
+    rng = np.random.default_rng(7)
+    folder = parent / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for i in range(1, 6):
+        _pickle(folder / f"data_batch_{i}", {
+            b"batch_label": b"training batch",
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(v) for v in rng.integers(0, 10, per_batch)],
+            b"filenames": [b"x.png"] * per_batch,
+        })
+    _pickle(folder / "test_batch", {
+        b"data": rng.integers(0, 256, (n_test, 3072), dtype=np.uint8),
+        b"labels": [int(v) for v in rng.integers(0, 10, n_test)],
+    })
+    return folder
+
+
+def make_cifar100(parent: Path, n_train: int = 120, n_test: int = 30) -> Path:
+    rng = np.random.default_rng(8)
+    folder = parent / "cifar-100-python"
+    folder.mkdir(parents=True)
+    for name, n in (("train", n_train), ("test", n_test)):
+        _pickle(folder / name, {
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"fine_labels": [int(v) for v in rng.integers(0, 100, n)],
+            b"coarse_labels": [int(v) for v in rng.integers(0, 20, n)],
+        })
+    return folder
+
+
+def check_dataset(fd: FederatedDataset, shape: tuple[int, ...], num_classes: int) -> None:
+    assert fd.input_shape == shape
+    assert fd.num_classes == num_classes
+    assert fd.test_x.dtype == np.float32 and fd.test_y.dtype == np.int64
+    assert fd.test_x.shape == (len(fd.test_y), *shape)
+    assert len(fd.test_y) > 0
+    sizes = fd.partition_sizes()
+    assert len(sizes) == fd.num_clients and min(sizes) >= 1
+    hist = fd.label_histograms()
+    assert hist.shape == (fd.num_clients, num_classes)
+    assert hist.sum(axis=1).tolist() == sizes
+    for i in (0, fd.num_clients - 1):
+        cd = fd.client(i)
+        assert isinstance(cd, ClientData)
+        for x, y in ((cd.x_train, cd.y_train), (cd.x_test, cd.y_test)):
+            assert x.dtype == np.float32 and y.dtype == np.int64
+            assert x.shape == (len(y), *shape)
+            assert np.isfinite(x).all()
+            if len(y):
+                assert 0 <= y.min() and y.max() < num_classes
+        assert len(cd.y_train) >= 1
+        assert len(cd.y_train) + len(cd.y_test) == sizes[i]
+
+
+def client_arrays(fd: FederatedDataset) -> list[np.ndarray]:
+    out = []
+    for i in range(fd.num_clients):
+        cd = fd.client(i)
+        out += [cd.x_train, cd.y_train, cd.x_test, cd.y_test]
+    return out + [fd.test_x, fd.test_y]
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_public_names():
+    assert DATASETS == ("synthetic", "digits", "fashion-mnist", "mnist", "cifar10", "cifar100")
+    assert PARTITIONS == ("auto", "natural", "iid", "dirichlet", "dirichlet-unbalanced")
+    assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize("iid", [False, True])
+def test_synthetic_shapes(iid):
+    cfg = DataConfig(num_clients=8, synthetic_iid=iid, seed=3)
+    fd = load_federated(cfg)
+    assert fd.name == "synthetic" and not fd.augment
+    check_dataset(fd, (60,), 10)
+    sizes = fd.partition_sizes()
+    assert min(sizes) >= 50 and max(sizes) <= cfg.synthetic_max_samples
+    # global test set = union of the local test splits
+    assert len(fd.test_y) == sum(len(fd.client(i).y_test) for i in range(8))
+    np.testing.assert_array_equal(
+        fd.test_y, np.concatenate([fd.client(i).y_test for i in range(8)])
+    )
+
+
+def test_synthetic_max_samples_clips():
+    fd = load_federated(DataConfig(num_clients=30, synthetic_max_samples=60))
+    assert max(fd.partition_sizes()) <= 60
+
+
+def test_synthetic_noniid_more_heterogeneous_than_iid():
+    def skew(iid):
+        h = load_federated(DataConfig(num_clients=30, synthetic_iid=iid)).label_histograms()
+        return float(np.mean(h.max(axis=1) / h.sum(axis=1)))
+
+    assert skew(False) > skew(True) + 0.1
+
+
+def test_synthetic_rejects_pooled_partitions():
+    with pytest.raises(DataError, match="synthetic.iid"):
+        DataConfig(dataset="synthetic", partition="dirichlet")
+
+
+def test_synthetic_needs_test_fraction():
+    with pytest.raises(DataError, match="local-test-fraction"):
+        load_federated(DataConfig(num_clients=3, local_test_fraction=0.0))
+
+
+def test_digits_shapes_and_fixed_test_set():
+    fd = load_federated(DataConfig(dataset="digits", num_clients=10, seed=0))
+    check_dataset(fd, (1, 8, 8), 10)
+    assert len(fd.test_y) == 360 and sum(fd.partition_sizes()) == 1437
+    # roughly standardised
+    assert abs(float(fd.test_x.mean())) < 0.1 and 0.8 < float(fd.test_x.std()) < 1.2
+    other = load_federated(DataConfig(dataset="digits", num_clients=10, seed=5))
+    np.testing.assert_array_equal(fd.test_x, other.test_x)
+    np.testing.assert_array_equal(fd.test_y, other.test_y)
+    assert not np.array_equal(fd.client(0).y_train, other.client(0).y_train)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_idx_files(tmp_path, gz):
+    make_idx_dir(tmp_path, gz=gz)
+    fd = load_federated(DataConfig(dataset="mnist", num_clients=4, partition="iid",
+                                   data_dir=str(tmp_path)))
+    check_dataset(fd, (1, 28, 28), 10)
+    assert sum(fd.partition_sizes()) == 200 and len(fd.test_y) == 50
+    assert not fd.augment
+    # normalised with the MNIST mean/std
+    raw_min = (0 - 0.1307) / 0.3081
+    assert np.isclose(fd.test_x.min(), raw_min, atol=1e-4)
+
+
+def test_fashion_mnist_idx_files_in_subfolder(tmp_path):
+    make_idx_dir(tmp_path / "fashion-mnist")
+    fd = load_federated(DataConfig(dataset="fashion-mnist", num_clients=5,
+                                   data_dir=str(tmp_path)))
+    check_dataset(fd, (1, 28, 28), 10)
+    assert fd.partition_sizes() == [40] * 5
+
+
+def test_idx_bad_magic(tmp_path):
+    make_idx_dir(tmp_path, gz=False)
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"\x12\x34\x08\x01" + b"\0" * 8)
+    with pytest.raises(DataError, match="magic"):
+        load_federated(DataConfig(dataset="mnist", data_dir=str(tmp_path)))
+
+
+@pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_fashion_mnist_real_files():
+    fd = load_federated(DataConfig(dataset="fashion-mnist", num_clients=10, partition="iid"))
+    check_dataset(fd, (1, 28, 28), 10)
+    assert sum(fd.partition_sizes()) == 60000 and len(fd.test_y) == 10000
+    assert np.bincount(fd.test_y).tolist() == [1000] * 10
+    assert abs(float(fd.test_x.mean())) < 0.1 and 0.8 < float(fd.test_x.std()) < 1.2
+
+
+@pytest.mark.parametrize("point_at_folder", [False, True])
+def test_cifar10_pickles(tmp_path, point_at_folder):
+    folder = make_cifar10(tmp_path)
+    d = folder if point_at_folder else tmp_path
+    fd = load_federated(DataConfig(dataset="cifar10", num_clients=5, partition="iid",
+                                   data_dir=str(d)))
+    assert fd.augment
+    check_dataset(fd, (3, 32, 32), 10)
+    assert sum(fd.partition_sizes()) == 150 and len(fd.test_y) == 20
+
+
+def test_cifar100_pickles(tmp_path):
+    make_cifar100(tmp_path)
+    fd = load_federated(DataConfig(dataset="cifar100", num_clients=4,
+                                   partition="dirichlet", data_dir=str(tmp_path)))
+    assert fd.augment
+    check_dataset(fd, (3, 32, 32), 100)
+    assert fd.partition_sizes() == [30] * 4 and len(fd.test_y) == 30
+
+
+def test_cifar_normalisation_per_channel(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    # every pixel of channel c has value 255 * mean_c -> normalises to 0
+    mean = np.array([0.4914, 0.4822, 0.4465])
+    img = np.repeat(np.round(255 * mean).astype(np.uint8), 1024)[None, :]
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        _pickle(folder / name, {b"data": np.repeat(img, 2, axis=0), b"labels": [0, 1]})
+    fd = load_federated(DataConfig(dataset="cifar10", num_clients=2, partition="iid",
+                                   data_dir=str(tmp_path)))
+    assert np.abs(fd.test_x).max() < 0.01
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_fashion_mnist_file_message(tmp_path):
+    make_idx_dir(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError) as info:
+        load_federated(DataConfig(dataset="fashion-mnist", data_dir=str(tmp_path)))
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert str(tmp_path / "t10k-labels-idx1-ubyte.gz") in msg
+    assert str(tmp_path) in msg
+    assert "data-dir" in msg
+    assert "apt-get install dataset-fashion-mnist" in msg
+
+
+def test_missing_mnist_message(tmp_path):
+    with pytest.raises(DataError) as info:
+        load_federated(DataConfig(dataset="mnist", data_dir=str(tmp_path / "nowhere")))
+    msg = str(info.value)
+    assert "train-images-idx3-ubyte" in msg and "nowhere" in msg and "data-dir" in msg
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "cifar100"])
+def test_missing_cifar_message(tmp_path, dataset):
+    with pytest.raises(DataError) as info:
+        load_federated(DataConfig(dataset=dataset, data_dir=str(tmp_path / "empty")))
+    msg = str(info.value)
+    assert "\n" not in msg and "data-dir" in msg and "empty" in msg
+    assert ("test_batch" if dataset == "cifar10" else "cifar-100-python") in msg
+
+
+def test_too_many_clients():
+    with pytest.raises(DataError) as info:
+        load_federated(DataConfig(dataset="digits", num_clients=5000))
+    msg = str(info.value)
+    assert "num-clients=5000" in msg and "1437" in msg and "'digits'" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"dataset": "imagenet"}, "dataset="),
+        ({"partition": "pathological"}, "partition="),
+        ({"dataset": "digits", "dirichlet_alpha": 0.0}, "dirichlet-alpha=0.0"),
+        ({"dataset": "digits", "dirichlet_alpha": -1.0}, "dirichlet-alpha=-1.0"),
+        ({"num_clients": 0}, "num-clients=0"),
+        ({"local_test_fraction": 1.0}, "local-test-fraction=1.0"),
+        ({"local_test_fraction": -0.1}, "local-test-fraction=-0.1"),
+        ({"synthetic_alpha": -1.0}, "synthetic.alpha"),
+        ({"synthetic_max_samples": 0}, "synthetic.max-samples"),
+        ({"dataset": "digits", "partition": "natural"}, "partition='natural'"),
+    ],
+)
+def test_invalid_config(kwargs, key):
+    with pytest.raises(DataError) as info:
+        DataConfig(**kwargs)
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_dataset_lists_allowed():
+    with pytest.raises(DataError, match="cifar100"):
+        DataConfig(dataset="imagenet")
+
+
+def test_client_out_of_range():
+    fd = load_federated(DataConfig(num_clients=3))
+    with pytest.raises(DataError):
+        fd.client(3)
+    with pytest.raises(DataError):
+        fd.client(-1)
+
+
+def test_unsatisfiable_unbalanced_dirichlet():
+    # 1437 samples over 140 clients with a floor of 10 each and very skewed labels
+    with pytest.raises(DataError, match="dirichlet-alpha"):
+        load_federated(DataConfig(dataset="digits", num_clients=140,
+                                  partition="dirichlet-unbalanced", dirichlet_alpha=0.01))
+
+
+# ---------------------------------------------------------------- determinism and partitions
+
+
+@pytest.mark.parametrize("dataset, partition", [
+    ("synthetic", "auto"), ("digits", "iid"), ("digits", "dirichlet"),
+    ("digits", "dirichlet-unbalanced"),
+])
+def test_determinism(dataset, partition):
+    cfg = DataConfig(dataset=dataset, partition=partition, num_clients=6, seed=11)
+    a = load_federated(cfg)
+    load_federated.cache_clear()
+    b = load_federated(DataConfig(dataset=dataset, partition=partition, num_clients=6, seed=11))
+    assert a is not b
+    for u, v in zip(client_arrays(a), client_arrays(b)):
+        np.testing.assert_array_equal(u, v)
+    c = load_federated(DataConfig(dataset=dataset, partition=partition, num_clients=6, seed=12))
+    assert not np.array_equal(a.client(0).y_train, c.client(0).y_train) or \
+        not np.array_equal(a.client(0).x_train, c.client(0).x_train)
+
+
+def test_cached():
+    cfg = DataConfig(dataset="digits", num_clients=7)
+    assert load_federated(cfg) is load_federated(DataConfig(dataset="digits", num_clients=7))
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet"])
+def test_equal_sizes(partition):
+    fd = load_federated(DataConfig(dataset="digits", num_clients=13, partition=partition))
+    sizes = fd.partition_sizes()
+    assert sum(sizes) == 1437 and max(sizes) - min(sizes) <= 1 and min(sizes) > 0
+    # every pool sample belongs to exactly one client
+    assert fd.label_histograms().sum() == 1437
+
+
+def test_unbalanced_sizes_differ():
+    fd = load_federated(DataConfig(dataset="digits", num_clients=10,
+                                   partition="dirichlet-unbalanced", dirichlet_alpha=0.3))
+    sizes = fd.partition_sizes()
+    assert sum(sizes) == 1437 and min(sizes) >= 10
+    assert max(sizes) - min(sizes) > 20
+
+
+def _max_class_share(fd: FederatedDataset) -> float:
+    h = fd.label_histograms()
+    return float(np.mean(h.max(axis=1) / h.sum(axis=1)))
+
+
+@pytest.mark.parametrize("partition", ["dirichlet", "dirichlet-unbalanced"])
+def test_dirichlet_skew(partition):
+    def share(p, alpha):
+        return _max_class_share(load_federated(DataConfig(
+            dataset="digits", num_clients=10, partition=p, dirichlet_alpha=alpha)))
+
+    iid = share("iid", 0.3)
+    skewed = share(partition, 0.1)
+    flat = share(partition, 1000.0)
+    assert iid < 0.25
+    assert skewed > 0.35 and skewed > 2 * iid
+    assert abs(flat - iid) < 0.08
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5])
+def test_local_test_split_sizes(fraction):
+    fd = load_federated(DataConfig(dataset="digits", num_clients=10, partition="iid",
+                                   local_test_fraction=fraction))
+    for i, n in enumerate(fd.partition_sizes()):
+        cd = fd.client(i)
+        assert len(cd.y_test) == int(np.floor(n * fraction + 0.5))
+        assert len(cd.y_train) == n - len(cd.y_test)
+
+
+def test_one_sample_clients_have_empty_test_split():
+    fd = load_federated(DataConfig(dataset="digits", num_clients=1437, partition="iid",
+                                   local_test_fraction=0.5))
+    assert fd.partition_sizes() == [1] * 1437
+    cd = fd.client(100)
+    assert len(cd.y_train) == 1 and len(cd.y_test) == 0
+    assert cd.x_test.shape == (0, 1, 8, 8)
+
+
+def test_client_arrays_are_independent_copies():
+    fd = load_federated(DataConfig(num_clients=2))
+    cd = fd.client(0)
+    cd.x_train[:] = 0
+    assert np.abs(fd.client(0).x_train).sum() > 0
+
+
+# ---------------------------------------------------------------- augmentation
+
+
+def test_random_crop_flip_deterministic_and_shape():
+    x = torch.randn(16, 3, 32, 32)
+    a = random_crop_flip(x, torch.Generator().manual_seed(0))
+    b = random_crop_flip(x, torch.Generator().manual_seed(0))
+    c = random_crop_flip(x, torch.Generator().manual_seed(1))
+    assert a.shape == x.shape and a.dtype == x.dtype
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert not torch.equal(a, x)
+
+
+def test_random_crop_flip_is_crop_of_padded_or_its_flip():
+    x = torch.arange(2 * 1 * 6 * 6, dtype=torch.float32).reshape(2, 1, 6, 6) + 1
+    g = torch.Generator().manual_seed(3)
+    seen_flip = seen_plain = False
+    for _ in range(20):
+        out = random_crop_flip(x, g)
+        padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+        for s in range(2):
+            crops = [padded[s, :, dy:dy + 6, dx:dx + 6] for dy in range(9) for dx in range(9)]
+            plain = any(torch.equal(out[s], cr) for cr in crops)
+            flipped = any(torch.equal(out[s], cr.flip(-1)) for cr in crops)
+            assert plain or flipped
+            seen_plain |= plain
+            seen_flip |= flipped and not plain
+    assert seen_plain and seen_flip
+
+
+def test_random_crop_flip_rejects_non_batch():
+    with pytest.raises(ValueError):
+        random_crop_flip(torch.zeros(3, 32, 32), torch.Generator())
+
+
+# ---------------------------------------------------------------- extras
+
+
+def test_env_data_dir_override(tmp_path, monkeypatch):
+    make_idx_dir(tmp_path / "mnist", n_train=30, n_test=10)
+    monkeypatch.setenv("FEDACCEL_DATA_DIR", str(tmp_path))
+    load_federated.cache_clear()
+    fd = load_federated(DataConfig(dataset="mnist", num_clients=3, partition="iid"))
+    load_federated.cache_clear()
+    assert sum(fd.partition_sizes()) == 30 and len(fd.test_y) == 10
+
+
+def test_degenerate_inner_dirichlet_is_a_data_error():
+    with pytest.raises(DataError, match="dirichlet-alpha"):
+        load_federated(DataConfig(dataset="digits", num_clients=50, partition="dirichlet",
+                                  dirichlet_alpha=0.001))
+
+
+def test_config_normalises_scalars_for_the_cache():
+    a = DataConfig(num_clients=np.int64(5), dirichlet_alpha=1, seed=np.int32(2))
+    b = DataConfig(num_clients=5, dirichlet_alpha=1.0, seed=2)
+    assert a == b and hash(a) == hash(b) and type(a.num_clients) is int
+    with pytest.raises(DataError, match="num-clients"):
+        DataConfig(num_clients=2.5)
