@@ -1,0 +1,101 @@
+"""``flwr run .`` through Flower's Ray simulation, for every algorithm.
+
+Each test module run starts one private local SuperLink (its own FLWR_HOME
+and ports, so a user's SuperLink is never touched) and stops it at the end.
+Results must match the fast runner's for the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedaccel.local_run import default_run_config, fuse, project_dir, run_local
+from fedaccel.superlink import local_superlink_pids, stop_local_superlink
+
+pytestmark = pytest.mark.slow
+
+CONTROL_PORT = "39293"
+ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam")
+NUM_CLIENTS = 6
+
+
+def flwr_bin() -> str:
+    return str(Path(sys.executable).parent / "flwr")
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("flwr-home")
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": "39291",
+        "FLWR_LOCAL_CONTROL_API_PORT": CONTROL_PORT,
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+    }
+    subprocess.run([sys.executable, "-m", "fedaccel.federations", "install"], env=env,
+                   check=True, capture_output=True)
+    yield env
+    stop_local_superlink(CONTROL_PORT)
+    assert local_superlink_pids(CONTROL_PORT) == []
+
+
+def overrides(algo: str, results_dir: Path) -> dict:
+    return {
+        "algo": algo, "num-server-rounds": 3, "clients-per-round": 3, "local-epochs": 1,
+        "accl-every": 2, "synthetic.max-samples": 120, "results-dir": str(results_dir),
+        "run-name": algo,
+    }
+
+
+def toml_value(value) -> str:
+    return f"'{value}'" if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def flwr_run(env: dict, run_config: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    text = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
+    return subprocess.run(
+        [flwr_bin(), "run", ".", "--run-config", text,
+         "--federation-config", f"num-supernodes={NUM_CLIENTS}", "--stream"],
+        cwd=project_dir(), env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo):
+    proc = flwr_run(flwr_env, overrides(algo, tmp_path / "sim"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    sim_dir = tmp_path / "sim" / algo
+    assert "results written to" in out and str(sim_dir) in out
+    for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png"):
+        assert (sim_dir / name).is_file(), name
+
+    fast_dir = run_local(fuse(default_run_config(), overrides(algo, tmp_path / "fast")),
+                         num_clients=NUM_CLIENTS, quiet=True)
+    sim, fast = rows(sim_dir), rows(fast_dir)
+    test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
+    assert len(sim) == len(fast) == 3
+    for s, f in zip(sim, fast):
+        assert s["bytes_up"] == f["bytes_up"] and s["bytes_down"] == f["bytes_down"]
+        assert abs(s["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
+        assert s["loss"] == pytest.approx(f["loss"], rel=1e-4)
+        assert (s["accl"] is None) == (f["accl"] is None)
+
+
+def test_flwr_run_bad_config_is_one_clear_line(flwr_env, tmp_path):
+    proc = flwr_run(flwr_env, {"algo": "nope", "results-dir": str(tmp_path)}, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert "[fedaccel] invalid run config: algo='nope': allowed: fedadam, fedavg" in out
+    assert not (tmp_path / "nope").exists()
