@@ -8,7 +8,8 @@ few nodes) end the run with one clear line instead of a traceback.
 
 from __future__ import annotations
 
-from logging import ERROR
+import os
+from logging import ERROR, WARNING
 
 from flwr.app import Context
 from flwr.common import log
@@ -23,6 +24,11 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run one experiment with the run config given to ``flwr run``."""
+    if "runtime-envs" in os.environ.get("VIRTUAL_ENV", ""):
+        log(WARNING, "[fedaccel] Flower installed this app's dependencies for this run with "
+            "`uv sync` (torch included: slow, and a CUDA build). Stop the local SuperLink "
+            "(fedaccel-federations stop-local) and start runs with "
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 (scripts/install.sh sets it in .venv).")
     try:
         run_experiment(grid, dict(context.run_config))
     except USER_ERRORS as err:

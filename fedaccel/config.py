@@ -86,7 +86,7 @@ class RunConfig:
     partition: str
     dirichlet_alpha: float
     num_server_rounds: int
-    clients_per_round: float  # >= 1: a count; in (0, 1]: a fraction of all clients
+    clients_per_round: int | float  # an int: a count; a float in (0, 1]: a fraction of all clients
     local_epochs: int
     batch_size: int
     lr: float
@@ -107,7 +107,7 @@ class RunConfig:
 
     def cohort_size(self, num_clients: int) -> int:
         """Clients trained per round, from a count or a fraction of ``num_clients``."""
-        if self.clients_per_round > 1 or float(self.clients_per_round).is_integer():
+        if isinstance(self.clients_per_round, int) or self.clients_per_round > 1:
             size = int(self.clients_per_round)
         else:
             size = max(1, int(round(self.clients_per_round * num_clients)))
@@ -237,7 +237,8 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         partition=partition,
         dirichlet_alpha=alpha,
         num_server_rounds=_integer(cfg, "num-server-rounds", 1),
-        clients_per_round=cpr,
+        # Keep TOML's type: 1 is one client, 1.0 is all of them.
+        clients_per_round=cfg["clients-per-round"] if isinstance(cfg["clients-per-round"], int) else cpr,
         local_epochs=_integer(cfg, "local-epochs", 1),
         batch_size=_integer(cfg, "batch-size", 1),
         lr=lr,

@@ -23,7 +23,7 @@ from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import arrays_to_tensors, evaluate, select_device, state_to_arrays
-from strategies.base import Federation
+from strategies.base import Federation, _last_line
 
 
 def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -> Federation:
@@ -46,7 +46,7 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
                 if reply.has_error():
                     raise FederationError(
                         f"node {reply.metadata.src_node_id} could not report its partition: "
-                        f"{reply.error.reason.strip().splitlines()[-1]}")
+                        f"{_last_line(reply.error.reason)}")
                 rec = reply.content.config_records["partition"]
                 pid, n = int(rec["partition-id"]), int(rec["num-partitions"])
                 if expected is not None and n != expected:

@@ -94,11 +94,17 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
 
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
-    if quiet:
-        os.environ["FEDACCEL_QUIET"] = "1"
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-    server_app(grid, context)
+    previous = os.environ.get("FEDACCEL_QUIET")
+    os.environ["FEDACCEL_QUIET"] = "1" if quiet else "0"
+    try:
+        server_app(grid, context)
+    finally:
+        if previous is None:
+            del os.environ["FEDACCEL_QUIET"]
+        else:
+            os.environ["FEDACCEL_QUIET"] = previous
     from fedaccel.experiment import last_run_dir
 
     return last_run_dir()

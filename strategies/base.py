@@ -177,7 +177,7 @@ class FedAccelStrategy:
         log_.replies, log_.failures = len(ok), len(replies) - len(ok)
         log_.bytes_up += sum(_message_bytes(m) for m in ok)
         if not ok:
-            reasons = "; ".join(sorted({m.error.reason.strip().splitlines()[-1] for m in replies}))
+            reasons = "; ".join(sorted({_last_line(m.error.reason) for m in replies}))
             raise RoundFailedError(
                 f"round {server_round}: all {len(log_.sampled)} sampled clients failed "
                 f"({reasons or 'no reply before the timeout'})"
@@ -221,3 +221,9 @@ class FedAccelStrategy:
 def _message_bytes(message: Message) -> int:
     content: RecordDict = message.content
     return sum(payload_bytes(rec) for rec in content.array_records.values())
+
+
+def _last_line(reason: str | None) -> str:
+    """The last line of an error reason (Flower's reasons end with the exception)."""
+    lines = (reason or "").strip().splitlines()
+    return lines[-1] if lines else "no reason given"

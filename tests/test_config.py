@@ -1,0 +1,321 @@
+"""Tests of the run configuration: parse_run_config, RunConfig, overrides, registry.
+
+Every case starts from the project's own defaults (pyproject.toml's
+``[tool.flwr.app.config]``, flattened) and changes one key, so the tests break
+when a default stops being valid and not only when the checks change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from fedaccel.config import ConfigError, RunConfig, parse_run_config
+from fedaccel.local_run import default_run_config, fuse, parse_overrides
+from fedaccel.registry import algorithm_names, get_algorithm
+
+
+@pytest.fixture(scope="module")
+def defaults() -> dict:
+    return default_run_config()
+
+
+def with_(defaults: dict, **changes) -> dict:
+    """Defaults with ``changes`` applied; ``a__b`` stands for key ``a.b``, ``_`` for ``-``."""
+    cfg = dict(defaults)
+    for key, value in changes.items():
+        cfg[key.replace("__", ".").replace("_", "-")] = value
+    return cfg
+
+
+def parse_one(defaults: dict, key: str, value, **extra) -> RunConfig:
+    cfg = dict(defaults)
+    cfg.update(extra)
+    cfg[key] = value
+    return parse_run_config(cfg)
+
+
+# --------------------------------------------------------------------------- #
+# defaults
+# --------------------------------------------------------------------------- #
+def test_defaults_are_valid(defaults):
+    cfg = parse_run_config(defaults)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.algo == defaults["algo"]
+    assert cfg.lr == pytest.approx(defaults["lr"])
+    assert cfg.num_server_rounds == defaults["num-server-rounds"]
+    assert cfg.raw == defaults
+
+
+@pytest.mark.parametrize("algo", sorted(algorithm_names()))
+def test_defaults_are_valid_for_every_algorithm(defaults, algo):
+    cfg = parse_one(defaults, "algo", algo)
+    assert cfg.algo == algo
+    assert isinstance(cfg.algo_params, get_algorithm(algo).params)
+
+
+def test_missing_key_is_one_line_naming_it(defaults):
+    cfg = dict(defaults)
+    del cfg["lr"]
+    with pytest.raises(ConfigError) as info:
+        parse_run_config(cfg)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "lr" in msg
+
+
+# --------------------------------------------------------------------------- #
+# one bad value -> one line naming the key and the value
+# --------------------------------------------------------------------------- #
+BAD_VALUES = [
+    # (key, bad value, extra keys needed to make the key matter)
+    ("algo", "fedsgd", {}),
+    ("dataset", "imagenet", {}),
+    ("partition", "pathological", {}),
+    ("model", "vgg16", {}),
+    ("dirichlet-alpha", 0, {}),
+    ("dirichlet-alpha", -1, {}),
+    ("lr", 0, {}),
+    ("lr", -0.1, {}),
+    ("lr", "0.1", {}),  # a string where a number belongs
+    ("momentum", 1.0, {}),
+    ("weight-decay", -1, {}),
+    ("clients-per-round", 0, {}),
+    ("clients-per-round", 2.5, {}),
+    ("clients-per-round", -1, {}),
+    ("target-accuracy", 80, {}),  # a percentage by mistake
+    ("local-test-fraction", 1.0, {}),
+    ("num-server-rounds", 0, {}),
+    ("batch-size", 0, {}),
+    ("device", "tpu", {}),
+    ("run-name", "a/b", {}),
+    ("fedprox.mu", -1, {"algo": "fedprox"}),
+    ("fedavgm.server-momentum", 1.5, {"algo": "fedavgm"}),
+    ("fedadam.tau", 0, {"algo": "fedadam"}),
+]
+
+
+@pytest.mark.parametrize(
+    "key,value,extra", BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES]
+)
+def test_bad_value_is_one_line_naming_key_and_value(defaults, key, value, extra):
+    with pytest.raises(ConfigError) as info:
+        parse_one(defaults, key, value, **extra)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    assert key in msg, msg
+    assert str(value) in msg, msg
+
+
+def test_unknown_algo_lists_the_allowed_names(defaults):
+    with pytest.raises(ConfigError) as info:
+        parse_one(defaults, "algo", "fedsgd")
+    msg = str(info.value)
+    for name in ("fedavg", "fedprox", "fedavgm", "fedadam"):
+        assert name in msg
+
+
+def test_target_accuracy_hint_mentions_fraction(defaults):
+    with pytest.raises(ConfigError, match="fraction"):
+        parse_one(defaults, "target-accuracy", 80)
+
+
+@pytest.mark.parametrize("value", [True, float("nan"), float("inf")])
+def test_lr_rejects_bool_and_non_finite(defaults, value):
+    with pytest.raises(ConfigError, match="lr"):
+        parse_one(defaults, "lr", value)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("num-server-rounds", 2.5), ("batch-size", "16"), ("local-epochs", True),
+    ("seed", -1), ("eval-every", 0), ("accl-every", -1),
+])
+def test_integer_keys_reject_non_integers(defaults, key, value):
+    with pytest.raises(ConfigError) as info:
+        parse_one(defaults, key, value)
+    assert key in str(info.value)
+
+
+def test_integral_float_is_accepted_for_integer_keys(defaults):
+    cfg = parse_one(defaults, "num-server-rounds", 5.0)
+    assert cfg.num_server_rounds == 5 and isinstance(cfg.num_server_rounds, int)
+
+
+def test_fraction_clients_per_round_accepted(defaults):
+    assert parse_one(defaults, "clients-per-round", 0.25).clients_per_round == 0.25
+
+
+def test_algo_param_string_rejected(defaults):
+    with pytest.raises(ConfigError, match="fedprox.mu"):
+        parse_one(defaults, "fedprox.mu", "0.1", algo="fedprox")
+
+
+def test_algo_params_are_typed(defaults):
+    cfg = parse_one(defaults, "fedprox.mu", 1, algo="fedprox")
+    assert cfg.algo_params.mu == 1.0 and isinstance(cfg.algo_params.mu, float)
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_run_name_rejects_dot_folders(defaults, name):
+    with pytest.raises(ConfigError, match="run-name"):
+        parse_one(defaults, "run-name", name)
+
+
+# --------------------------------------------------------------------------- #
+# cohort_size
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("cpr,num_clients,expected", [
+    (10, 20, 10),
+    (0.25, 20, 5),
+    (20, 20, 20),
+    (1, 20, 1),  # an integer 1 is a count: one client
+    (0.01, 20, 1),  # a tiny fraction still trains one client
+])
+def test_cohort_size(defaults, cpr, num_clients, expected):
+    cfg = parse_one(defaults, "clients-per-round", cpr)
+    assert cfg.cohort_size(num_clients) == expected
+
+
+def test_cohort_size_fraction_one_is_all_clients(defaults):
+    cfg = parse_one(defaults, "clients-per-round", 1.0)
+    assert cfg.cohort_size(20) == 20
+
+
+def test_cohort_size_larger_than_federation(defaults):
+    cfg = parse_one(defaults, "clients-per-round", 30)
+    with pytest.raises(ConfigError) as info:
+        cfg.cohort_size(20)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "clients-per-round" in msg
+    assert "20" in msg
+    assert "30" in msg
+
+
+# --------------------------------------------------------------------------- #
+# evaluation schedule
+# --------------------------------------------------------------------------- #
+def test_is_eval_round(defaults):
+    cfg = parse_run_config(with_(defaults, num_server_rounds=10, eval_every=3))
+    assert [r for r in range(1, 11) if cfg.is_eval_round(r)] == [3, 6, 9, 10]
+
+
+def test_is_accl_round(defaults):
+    cfg = parse_run_config(with_(defaults, num_server_rounds=25, accl_every=10))
+    assert [r for r in range(1, 26) if cfg.is_accl_round(r)] == [10, 20, 25]
+
+
+def test_accl_every_zero_disables_accl(defaults):
+    cfg = parse_run_config(with_(defaults, num_server_rounds=5, accl_every=0))
+    assert not any(cfg.is_accl_round(r) for r in range(1, 6))
+
+
+def test_last_round_is_always_accl_and_eval(defaults):
+    cfg = parse_run_config(with_(defaults, num_server_rounds=7, accl_every=5, eval_every=4))
+    assert cfg.is_accl_round(7) and cfg.is_eval_round(7)
+
+
+# --------------------------------------------------------------------------- #
+# fedaccel-run overrides
+# --------------------------------------------------------------------------- #
+def test_fuse_rejects_unknown_key(defaults):
+    with pytest.raises(SystemExit) as info:
+        fuse(defaults, {"learning-rate": 0.1})
+    assert "learning-rate" in str(info.value.code)
+
+
+def test_fuse_overrides_known_keys(defaults):
+    before = dict(defaults)
+    out = fuse(defaults, {"lr": 0.2})
+    assert out["lr"] == 0.2 and out["algo"] == defaults["algo"]
+    assert defaults == before  # the defaults themselves are not modified
+    assert set(out) == set(defaults)
+
+
+def test_parse_overrides_tokens():
+    out = parse_overrides(["algo=fedavg", "lr=0.1", "fedprox.mu=0.5"], None, None)
+    assert out == {"algo": "fedavg", "lr": 0.1, "fedprox.mu": 0.5}
+    assert isinstance(out["lr"], float)
+
+
+def test_parse_overrides_quoted_string_and_int():
+    out = parse_overrides(["algo='fedprox'", "num-server-rounds=3"], None, None)
+    assert out == {"algo": "fedprox", "num-server-rounds": 3}
+
+
+def test_parse_overrides_run_config_string(defaults):
+    out = parse_overrides([], "algo='fedprox' lr=1", None)
+    assert out == {"algo": "fedprox", "lr": 1}
+    assert isinstance(out["lr"], int)
+    cfg = parse_run_config(fuse(defaults, out))
+    assert cfg.algo == "fedprox"
+    assert cfg.lr == 1.0
+
+
+def test_parse_overrides_tokens_win_over_run_config():
+    out = parse_overrides(["lr=0.5"], "lr=1 seed=3", None)
+    assert out == {"lr": 0.5, "seed": 3}
+
+
+def test_parse_overrides_yaml(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("algo: fedprox\nfedprox:\n  mu: 0.1\n")
+    assert parse_overrides([], None, str(path)) == {"algo": "fedprox", "fedprox.mu": 0.1}
+
+
+def test_parse_overrides_token_without_equals():
+    with pytest.raises(SystemExit, match="key=value"):
+        parse_overrides(["lr"], None, None)
+
+
+# --------------------------------------------------------------------------- #
+# registry and pyproject agree
+# --------------------------------------------------------------------------- #
+def test_registry_has_the_baselines():
+    assert set(algorithm_names()) >= {"fedadam", "fedavg", "fedavgm", "fedprox"}
+    assert list(algorithm_names()) == sorted(algorithm_names())
+
+
+def test_get_algorithm_unknown_is_config_error():
+    with pytest.raises(ConfigError, match="fedavg"):
+        get_algorithm("nope")
+
+
+@pytest.mark.parametrize("algo", sorted(algorithm_names()))
+def test_params_defaults_match_pyproject(defaults, algo):
+    spec = get_algorithm(algo)
+    assert spec.name == algo
+    in_code = {
+        f"{spec.prefix}.{f.name.replace('_', '-')}": f.default
+        for f in dataclasses.fields(spec.params)
+    }
+    in_pyproject = {k: v for k, v in defaults.items() if k.startswith(spec.prefix + ".")}
+    assert in_code == in_pyproject
+    for key, value in in_code.items():
+        assert type(value) is type(in_pyproject[key]), key
+
+
+def test_every_pyproject_table_belongs_to_an_algorithm_or_synthetic(defaults):
+    prefixes = {k.split(".", 1)[0] for k in defaults if "." in k}
+    known = {get_algorithm(a).prefix for a in algorithm_names()} | {"synthetic"}
+    assert prefixes <= known
+
+
+# --------------------------------------------------------------------------- #
+# data-side validation reaches the user
+# --------------------------------------------------------------------------- #
+def test_more_clients_than_samples_is_a_data_error(defaults):
+    from data import DataError, load_federated
+    from data.sources import load_digits_source
+    from fedaccel.runtime import data_config_for
+
+    cfg = parse_run_config(with_(defaults, dataset="digits"))
+    n_samples = len(load_digits_source().pool_y)
+    with pytest.raises(DataError) as info:
+        load_federated(data_config_for(cfg, num_clients=5000))
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "5000" in msg
+    assert re.search(rf"\b{n_samples}\b", msg), msg

@@ -1,0 +1,507 @@
+"""Server algebra and local hooks checked against values computed by hand.
+
+Strategies are built through the registry (``spec.build_strategy``) so the
+run-config -> Flower-kwargs wiring is exercised too; replies are real Flower
+``Message`` objects built as ``reply_to`` the instructions the strategy made.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients.base import TrainData
+from clients.fedprox import FedProxSolver
+from fedaccel.config import parse_run_config
+from fedaccel.errors import RoundFailedError
+from fedaccel.local_run import default_run_config
+from fedaccel.registry import get_algorithm
+from fedaccel.torch_utils import payload_bytes
+from strategies.base import Federation, mean_client_accuracy, uniform_cohort
+
+NODES = {0: 101, 1: 102, 2: 103}
+
+
+# --------------------------------------------------------------------------- #
+# helpers
+# --------------------------------------------------------------------------- #
+@pytest.fixture(autouse=True)
+def server_identity(monkeypatch):
+    """Message() reads the sender from the process, as in the ServerApp process."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+class StubGrid(Grid):
+    """A Grid that only knows its node ids; strategies never push through it here."""
+
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        self._node_ids = list(node_ids)
+
+    def set_run(self, run):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
+
+    def push_messages(self, messages):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
+        raise NotImplementedError
+
+
+def run_cfg(algo: str = "fedavg", **changes):
+    cfg = default_run_config()
+    cfg.update({"algo": algo, "clients-per-round": 3, "momentum": 0.0, "weight-decay": 0.0})
+    cfg.update(changes)
+    return parse_run_config(cfg)
+
+
+def build(algo: str = "fedavg", nodes: dict[int, int] = NODES, **changes):
+    cfg = run_cfg(algo, **changes)
+    return get_algorithm(algo).build_strategy(cfg, Federation(dict(nodes)))
+
+
+def arrays(**named) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in named.items()})
+
+
+def to_np(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: a.numpy() for k, a in record.items()}
+
+
+def configure(strategy, server_round: int, record: ArrayRecord, nodes=NODES) -> list[Message]:
+    msgs = list(strategy.configure_train(server_round, record, ConfigRecord(), StubGrid(nodes.values())))
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"r{server_round}-m{i}"
+    return msgs
+
+
+def reply(instruction: Message, n: int, loss: float = 1.0, **named) -> Message:
+    content = RecordDict({
+        "arrays": arrays(**named),
+        "metrics": MetricRecord({"num-examples": n, "train-loss": loss}),
+    })
+    return Message(content, reply_to=instruction)
+
+
+def error_reply(instruction: Message, reason: str | None = "ValueError: boom") -> Message:
+    return Message(Error(4, reason), reply_to=instruction)
+
+
+def by_node(msgs: list[Message]) -> dict[int, Message]:
+    return {m.metadata.dst_node_id: m for m in msgs}
+
+
+def train_round(strategy, server_round, x, client_models, counts, losses=None):
+    """configure_train + replies (client i = partition i) + aggregate_train."""
+    msgs = by_node(configure(strategy, server_round, arrays(**x)))
+    losses = losses or [1.0] * len(counts)
+    replies = [
+        reply(msgs[NODES[pid]], n, loss, **model)
+        for pid, (model, n, loss) in enumerate(zip(client_models, counts, losses))
+    ]
+    return strategy.aggregate_train(server_round, replies)
+
+
+# --------------------------------------------------------------------------- #
+# FedProx local hook
+# --------------------------------------------------------------------------- #
+def fedprox_solver(mu: float = 0.5) -> FedProxSolver:
+    return FedProxSolver(run_cfg("fedprox", **{"fedprox.mu": mu}))
+
+
+def linear(weight) -> torch.nn.Linear:
+    w = torch.tensor(weight, dtype=torch.float32)
+    model = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w)
+    return model
+
+
+def test_fedprox_adds_proximal_gradient():
+    solver = fedprox_solver()
+    model = linear([[1.0, 2.0]])
+    solver.begin_round(model, {"proximal-mu": 0.5}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, -1.0]]))  # in place: the anchor must be a copy
+    model.weight.grad = torch.tensor([[0.1, 0.2]])
+    solver.transform_gradients(model)
+    # 0.1 + 0.5 * (3 - 1), 0.2 + 0.5 * (-1 - 2)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.1, -1.3]]))
+
+
+def test_fedprox_mu_from_config_overrides_params():
+    solver = fedprox_solver(mu=0.5)
+    model = linear([[0.0, 0.0]])
+    solver.begin_round(model, {"proximal-mu": 2.0}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -1.0]]))
+    model.weight.grad = torch.zeros(1, 2)
+    solver.transform_gradients(model)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[2.0, -2.0]]))
+
+
+def test_fedprox_mu_defaults_to_run_config():
+    solver = fedprox_solver(mu=0.25)
+    model = linear([[0.0, 0.0]])
+    solver.begin_round(model, {}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[4.0, -8.0]]))
+    model.weight.grad = torch.zeros(1, 2)
+    solver.transform_gradients(model)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.0, -2.0]]))
+
+
+def test_fedprox_mu_zero_leaves_gradient_unchanged():
+    solver = fedprox_solver()
+    model = linear([[1.0, 2.0]])
+    solver.begin_round(model, {"proximal-mu": 0.0}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, -1.0]]))
+    model.weight.grad = torch.tensor([[0.1, 0.2]])
+    solver.transform_gradients(model)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[0.1, 0.2]]))
+
+
+def test_fedprox_hook_then_sgd_step():
+    solver = fedprox_solver()
+    model = linear([[1.0, 2.0]])
+    solver.begin_round(model, {"proximal-mu": 0.5}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[3.0, -1.0]]))
+    optimizer = solver.make_optimizer(model, lr=0.1)
+    model.weight.grad = torch.tensor([[0.1, 0.2]])
+    solver.transform_gradients(model)
+    optimizer.step()
+    # w - lr * (g + mu (w - w0)) = [3 - 0.1*1.1, -1 + 0.1*1.3]
+    torch.testing.assert_close(model.weight.detach(), torch.tensor([[2.89, -0.87]]))
+
+
+def test_fedprox_fit_two_steps_by_hand():
+    """fit(): 2 epochs over one sample (x=[1, 0], y=0), lr 1, mu 0.5, W0 = 0.
+
+    Step 1: logits 0, softmax (1/2, 1/2), dL/dW = [[-1/2, 0], [1/2, 0]], no
+    proximal pull (W = W0) -> W1 = [[1/2, 0], [-1/2, 0]], loss ln 2.
+    Step 2: logits (1/2, -1/2), p0 = sigmoid(1); dL/dW = [[p0-1, 0], [1-p0, 0]]
+    plus mu W1 -> W2 = W1 - (dL/dW + 0.5 W1), loss -ln sigmoid(1).
+    """
+    solver = fedprox_solver()
+    model = linear([[0.0, 0.0], [0.0, 0.0]])
+    data = TrainData(x=torch.tensor([[1.0, 0.0]]), y=torch.tensor([0]))
+    gen = torch.Generator().manual_seed(0)
+    result = solver.fit(model, data, {"proximal-mu": 0.5, "lr": 1.0, "local-epochs": 2},
+                        RecordDict(), gen)
+
+    w1 = np.array([[0.5, 0.0], [-0.5, 0.0]])
+    p0 = 1.0 / (1.0 + math.exp(-1.0))
+    grad2 = np.array([[p0 - 1.0, 0.0], [1.0 - p0, 0.0]]) + 0.5 * w1
+    w2 = w1 - 1.0 * grad2
+    np.testing.assert_allclose(result.arrays["weight"].numpy(), w2, rtol=1e-6, atol=1e-7)
+    assert result.metrics["local-steps"] == 2
+    assert result.metrics["num-examples"] == 1
+    expected_loss = (math.log(2.0) - math.log(p0)) / 2
+    assert result.metrics["train-loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert result.extra == {}
+
+
+# --------------------------------------------------------------------------- #
+# FedAvg / FedAvgM / FedAdam server algebra
+# --------------------------------------------------------------------------- #
+def test_fedavg_weighted_mean():
+    strategy = build("fedavg")
+    out, metrics = train_round(
+        strategy, 1, {"w": [0.0]}, [{"w": [1.0]}, {"w": [2.0]}, {"w": [4.0]}], [1, 1, 2],
+        losses=[1.0, 2.0, 3.0],
+    )
+    np.testing.assert_allclose(out["w"].numpy(), [2.75], rtol=1e-12)
+    # train-loss is example-weighted: (1 + 2 + 2*3) / 4
+    assert metrics["train-loss"] == pytest.approx(2.25)
+    assert strategy.rounds[1].train_loss == pytest.approx(2.25)
+
+
+def test_fedavgm_two_rounds_by_hand():
+    strategy = build("fedavgm", **{"fedavgm.server-lr": 1.0, "fedavgm.server-momentum": 0.5})
+    assert strategy.server_momentum == 0.5 and strategy.server_learning_rate == 1.0
+    counts = [1, 1, 2]
+    x0 = {"w": np.array([0.0, 1.0]), "b": np.array([0.5])}
+    round1 = [{"w": [1.0, 2.0], "b": [1.0]}, {"w": [2.0, 4.0], "b": [0.0]},
+              {"w": [4.0, -2.0], "b": [2.0]}]
+    round2 = [{"w": [3.0, 0.0], "b": [-1.0]}, {"w": [1.0, 1.0], "b": [0.0]},
+              {"w": [0.0, 2.0], "b": [4.0]}]
+
+    def mean(models):
+        return {k: sum(n * np.asarray(m[k]) for m, n in zip(models, counts)) / sum(counts)
+                for k in x0}
+
+    out1, _ = train_round(strategy, 1, x0, round1, counts)
+    m1 = mean(round1)
+    v1 = {k: x0[k] - m1[k] for k in x0}  # first round: v = pseudo-gradient
+    x1 = {k: x0[k] - 1.0 * v1[k] for k in x0}
+    for k in x0:
+        np.testing.assert_allclose(out1[k].numpy(), x1[k], rtol=1e-7)
+
+    out2, _ = train_round(strategy, 2, to_np(out1), round2, counts)
+    m2 = mean(round2)
+    v2 = {k: 0.5 * v1[k] + (x1[k] - m2[k]) for k in x0}
+    x2 = {k: x1[k] - 1.0 * v2[k] for k in x0}
+    for k in x0:
+        np.testing.assert_allclose(out2[k].numpy(), x2[k], rtol=1e-7)
+    # momentum really mattered: plain FedAvg would have returned m2
+    assert not np.allclose(out2["w"].numpy(), m2["w"])
+
+
+def test_fedadam_two_rounds_by_hand():
+    eta, b1, b2, tau = 0.1, 0.9, 0.99, 1e-3
+    strategy = build("fedadam", **{"fedadam.server-lr": eta, "fedadam.beta1": b1,
+                                   "fedadam.beta2": b2, "fedadam.tau": tau})
+    assert (strategy.eta, strategy.beta_1, strategy.beta_2, strategy.tau) == (eta, b1, b2, tau)
+    counts = [3, 1, 1]
+    x = np.array([0.0, 1.0, -2.0])
+    rounds = [
+        [[1.0, 1.0, 0.0], [2.0, 0.0, -2.0], [-1.0, 2.0, -4.0]],
+        [[0.5, 0.5, 0.5], [0.0, 3.0, -1.0], [1.0, 1.0, 1.0]],
+    ]
+    m = np.zeros(3)
+    v = np.zeros(3)
+    for server_round, models in enumerate(rounds, start=1):
+        out, _ = train_round(strategy, server_round, {"w": x},
+                             [{"w": mdl} for mdl in models], counts)
+        mean = sum(n * np.asarray(mdl) for mdl, n in zip(models, counts)) / sum(counts)
+        delta = mean - x
+        m = b1 * m + (1 - b1) * delta
+        v = b2 * v + (1 - b2) * delta**2
+        # Flower's bias-corrected server lr uses server_round + 1
+        eta_norm = eta * math.sqrt(1 - b2 ** (server_round + 1)) / (1 - b1 ** (server_round + 1))
+        x = x + eta_norm * m / (np.sqrt(v) + tau)
+        np.testing.assert_allclose(out["w"].numpy(), x, rtol=1e-7)
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedprox", "fedavgm", "fedadam"])
+def test_reply_order_does_not_change_aggregate(algo):
+    rng = np.random.default_rng(7)
+    x0 = rng.standard_normal(64).astype(np.float32)
+    models = [rng.standard_normal(64).astype(np.float32) * 10 ** i for i in range(3)]
+    counts = [3, 7, 11]
+    results = set()
+    for perm in itertools.permutations(range(3)):
+        strategy = build(algo)
+        msgs = by_node(configure(strategy, 1, ArrayRecord({"w": Array(x0)})))
+        replies = [
+            Message(RecordDict({
+                "arrays": ArrayRecord({"w": Array(models[pid])}),
+                "metrics": MetricRecord({"num-examples": counts[pid], "train-loss": 0.1 * pid}),
+            }), reply_to=msgs[NODES[pid]])
+            for pid in perm
+        ]
+        out, metrics = strategy.aggregate_train(1, replies)
+        results.add((out["w"].numpy().tobytes(), metrics["train-loss"]))
+    assert len(results) == 1
+
+
+def test_flower_alone_is_order_sensitive_on_this_data():
+    """Guard for the test above: its data would expose unordered summation."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    rng = np.random.default_rng(7)
+    rng.standard_normal(64)
+    models = [rng.standard_normal(64).astype(np.float32) * 10 ** i for i in range(3)]
+    counts = [3, 7, 11]
+    records = [RecordDict({"arrays": ArrayRecord({"w": Array(models[i])}),
+                           "metrics": MetricRecord({"num-examples": counts[i]})})
+               for i in range(3)]
+    outs = {aggregate_arrayrecords([records[i] for i in perm], "num-examples")["w"]
+            .numpy().tobytes() for perm in itertools.permutations(range(3))}
+    assert len(outs) > 1
+
+
+# --------------------------------------------------------------------------- #
+# byte accounting and failures
+# --------------------------------------------------------------------------- #
+def test_bytes_and_failure_accounting():
+    strategy = build("fedavg")
+    sent = arrays(w=np.zeros((4, 3)), b=np.zeros(3))
+    msgs = configure(strategy, 1, sent)
+    assert len(msgs) == 3
+    per_message = sum(len(a.data) for a in sent.values())
+    assert per_message > 0
+    assert strategy.rounds[1].bytes_down == 3 * per_message
+
+    nodes = by_node(msgs)
+    ok1 = reply(nodes[101], 5, w=np.ones((4, 3)), b=np.ones(3))
+    ok2 = reply(nodes[102], 5, w=np.ones((4, 3)), b=np.ones(3))
+    bad = error_reply(nodes[103])
+    strategy.aggregate_train(1, [bad, ok1, ok2])
+    log = strategy.rounds[1]
+    expected_up = sum(len(a.data) for m in (ok1, ok2)
+                      for rec in m.content.array_records.values() for a in rec.values())
+    assert log.bytes_up == expected_up
+    assert log.bytes_up == payload_bytes(ok1.content["arrays"]) + payload_bytes(ok2.content["arrays"])
+    assert log.replies == 2
+    assert log.failures == 1
+    assert log.bytes_down == 3 * per_message  # aggregation does not touch downlink bytes
+
+
+def test_all_replies_failing_names_the_round():
+    strategy = build("fedavg")
+    msgs = configure(strategy, 4, arrays(w=[0.0]))
+    replies = [error_reply(m, "Traceback ...\nValueError: out of memory") for m in msgs]
+    with pytest.raises(RoundFailedError) as info:
+        strategy.aggregate_train(4, replies)
+    msg = str(info.value)
+    assert "round 4" in msg
+    assert "ValueError: out of memory" in msg
+    assert "\n" not in msg
+    assert strategy.rounds[4].failures == 3 and strategy.rounds[4].replies == 0
+
+
+def test_no_reply_at_all_is_a_round_failure():
+    strategy = build("fedavg")
+    configure(strategy, 2, arrays(w=[0.0]))
+    with pytest.raises(RoundFailedError, match="round 2"):
+        strategy.aggregate_train(2, [])
+
+
+@pytest.mark.parametrize("reason", [None, ""])
+def test_all_replies_failing_without_reason(reason):
+    strategy = build("fedavg")
+    msgs = configure(strategy, 3, arrays(w=[0.0]))
+    with pytest.raises(RoundFailedError, match="round 3"):
+        strategy.aggregate_train(3, [error_reply(m, reason) for m in msgs])
+
+
+# --------------------------------------------------------------------------- #
+# sampling and configure_train
+# --------------------------------------------------------------------------- #
+def test_uniform_cohort_is_deterministic_sorted_unique():
+    a = uniform_cohort(0, 5, 100, 10)
+    assert a == uniform_cohort(0, 5, 100, 10)
+    assert a == sorted(a)
+    assert len(set(a)) == 10
+    assert all(0 <= p < 100 for p in a)
+    assert all(isinstance(p, int) for p in a)
+
+
+def test_uniform_cohort_changes_with_round_and_seed():
+    base = uniform_cohort(0, 1, 100, 10)
+    assert uniform_cohort(0, 2, 100, 10) != base
+    assert uniform_cohort(1, 1, 100, 10) != base
+
+
+def test_uniform_cohort_covers_every_client():
+    seen = set()
+    for r in range(1, 201):
+        seen.update(uniform_cohort(3, r, 20, 5))
+    assert seen == set(range(20))
+
+
+def test_uniform_cohort_full_federation():
+    assert uniform_cohort(0, 1, 7, 7) == list(range(7))
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedprox", "fedavgm", "fedadam"])
+def test_configure_train_sends_to_sampled_partitions(algo):
+    nodes = {pid: 1000 + 7 * pid for pid in range(10)}
+    strategy = build(algo, nodes=nodes, lr=0.03, **{"local-epochs": 4})
+    for server_round in (1, 2, 3):
+        msgs = configure(strategy, server_round, arrays(w=[0.0]), nodes=nodes)
+        cohort = uniform_cohort(strategy.run_cfg.seed, server_round, 10, 3)
+        assert strategy.rounds[server_round].sampled == cohort
+        assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(nodes[p] for p in cohort)
+        for m in msgs:
+            assert m.metadata.message_type == "train"
+            config = m.content["config"]
+            assert config["lr"] == pytest.approx(0.03)
+            assert config["local-epochs"] == 4
+            assert config["server-round"] == server_round
+            if algo == "fedprox":
+                assert config["proximal-mu"] == pytest.approx(strategy.run_cfg.algo_params.mu)
+            else:
+                assert "proximal-mu" not in config
+
+
+def test_fedprox_messages_carry_configured_mu():
+    strategy = build("fedprox", **{"fedprox.mu": 0.5})
+    for m in configure(strategy, 1, arrays(w=[0.0])):
+        assert m.content["config"]["proximal-mu"] == 0.5
+
+
+# --------------------------------------------------------------------------- #
+# evaluation (ACCL)
+# --------------------------------------------------------------------------- #
+def eval_record(n: int, acc: float, loss: float) -> RecordDict:
+    return RecordDict({"metrics": MetricRecord({"num-examples": n, "accuracy": acc, "loss": loss})})
+
+
+def test_mean_client_accuracy_is_unweighted_and_skips_empty_clients():
+    records = [
+        eval_record(10, 0.5, 1.0),
+        eval_record(30, 1.0, 2.0),
+        eval_record(0, float("nan"), float("nan")),  # no local test split
+        eval_record(0, 0.0, 9.0),
+    ]
+    out = mean_client_accuracy(records, "num-examples")
+    assert out["num-clients"] == 2
+    assert out["accl"] == pytest.approx(0.75)  # (0.5 + 1.0) / 2, not weighted (0.875)
+    assert out["loss"] == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)
+
+
+def test_mean_client_accuracy_with_no_usable_client():
+    out = mean_client_accuracy([eval_record(0, float("nan"), float("nan"))], "num-examples")
+    assert out["num-clients"] == 0
+    assert "accl" not in out
+
+
+def test_configure_evaluate_only_on_accl_rounds():
+    strategy = build("fedavg", **{"num-server-rounds": 12, "accl-every": 5})
+    grid = StubGrid(NODES.values())
+    for server_round in (1, 4, 6, 11):
+        assert list(strategy.configure_evaluate(server_round, arrays(w=[0.0]), ConfigRecord(),
+                                                grid)) == []
+    for server_round in (5, 10, 12):
+        msgs = list(strategy.configure_evaluate(server_round, arrays(w=[0.0]), ConfigRecord(),
+                                                grid))
+        assert sorted(m.metadata.dst_node_id for m in msgs) == sorted(NODES.values())
+        assert all(m.metadata.message_type == "evaluate" for m in msgs)
+        assert all(m.content["config"]["server-round"] == server_round for m in msgs)
+
+
+def test_configure_evaluate_disabled_with_accl_every_zero():
+    strategy = build("fedavg", **{"num-server-rounds": 3, "accl-every": 0})
+    for server_round in (1, 2, 3):
+        assert list(strategy.configure_evaluate(server_round, arrays(w=[0.0]), ConfigRecord(),
+                                                StubGrid(NODES.values()))) == []
+
+
+def test_aggregate_evaluate_records_accl():
+    strategy = build("fedavg", **{"num-server-rounds": 10, "accl-every": 5})
+    msgs = list(strategy.configure_evaluate(5, arrays(w=[0.0]), ConfigRecord(),
+                                            StubGrid(NODES.values())))
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"e{i}"
+    values = {101: (10, 0.2, 1.0), 102: (20, 0.4, 1.0), 103: (0, float("nan"), float("nan"))}
+    replies = [Message(eval_record(*values[m.metadata.dst_node_id]), reply_to=m) for m in msgs]
+    metrics = strategy.aggregate_evaluate(5, replies)
+    assert metrics["accl"] == pytest.approx(0.3)
+    assert metrics["num-clients"] == 2
+    assert strategy.rounds[5].accl == pytest.approx(0.3)
