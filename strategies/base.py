@@ -30,7 +30,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -164,6 +164,7 @@ class FedAccelStrategy:
         log_.sampled = list(cohort)
         config = ConfigRecord({**dict(config), **self.round_config(server_round)})
         view = NodeSubset(grid, [self.federation.node_of_partition[p] for p in cohort])
+        self._sent_dtypes = {key: array.dtype for key, array in arrays.items()}
         messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
         log_.bytes_down += sum(_message_bytes(m) for m in messages)
         return messages
@@ -186,6 +187,8 @@ class FedAccelStrategy:
             log(WARNING, "round %s: %s of %s clients failed; aggregating the rest",
                 server_round, log_.failures, len(replies))
         arrays, metrics = super().aggregate_train(server_round, ok)  # type: ignore[misc]
+        if arrays is not None:
+            arrays = self._keep_dtypes(arrays)
         if metrics is not None and "train-loss" in metrics:
             log_.train_loss = float(metrics["train-loss"])
         return arrays, metrics
@@ -207,6 +210,21 @@ class FedAccelStrategy:
         return metrics
 
     # ------------------------------------------------------------- helpers
+    def _keep_dtypes(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Cast the new global model back to the dtypes that were sent.
+
+        Flower's FedOpt family computes with NumPy float64 scalars, which (NumPy
+        2 promotion rules) turns a float32 model into float64 and doubles every
+        later download. Clients train in the model's own dtype anyway.
+        """
+        sent = getattr(self, "_sent_dtypes", {})
+        if all(sent.get(k, a.dtype) == a.dtype for k, a in arrays.items()):
+            return arrays
+        return ArrayRecord({
+            k: Array(a.numpy().astype(sent[k])) if k in sent and sent[k] != a.dtype else a
+            for k, a in arrays.items()
+        })
+
     def _ordered(self, replies: Iterable[Message]) -> list[Message]:
         """Replies sorted by the sender's partition id (deterministic sums)."""
         pid = self.federation.partition_of_node

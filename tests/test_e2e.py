@@ -45,6 +45,8 @@ def test_every_algorithm_runs_and_writes_results(tmp_path, algo):
     assert config["algo"] == algo and config["resolved"]["num-clients"] == 6
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    # The model keeps its dtype: every round moves the same number of bytes.
+    assert len({(r["bytes_up"], r["bytes_down"]) for r in rows}) == 1
     for row in rows:
         assert METRIC_KEYS <= set(row)
         assert 0.0 <= row["accg"] <= 1.0
