@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.base import LocalSolver, TrainData
+from clients.state import choose_backend, open_client_state
 from fedaccel.config import RunConfig, config_error, parse_run_config
 from fedaccel.runtime import build_model_for, data_config_for, load_data
 from fedaccel.torch_utils import arrays_to_tensors, evaluate as evaluate_model, seeded_generator, select_device
@@ -36,6 +37,7 @@ class ClientRuntime:
     train: TrainData
     test_x: torch.Tensor
     test_y: torch.Tensor
+    state_mode: str  # where persistent client state lives: context or disk
 
 
 def node_partition(context: Context) -> tuple[int, int]:
@@ -63,12 +65,14 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> Cl
     dataset = load_data(data_config_for(cfg, num_partitions))
     part = dataset.client(partition_id)
     model = build_model_for(cfg, dataset).to(device)
+    solver = get_algorithm(cfg.algo).solver(cfg)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return ClientRuntime(
         cfg=cfg,
         partition_id=partition_id,
         device=device,
         model=model,
-        solver=get_algorithm(cfg.algo).solver(cfg),
+        solver=solver,
         train=TrainData(
             x=torch.from_numpy(part.x_train).to(device),
             y=torch.from_numpy(part.y_train).to(device),
@@ -76,6 +80,8 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> Cl
         ),
         test_x=torch.from_numpy(part.x_test).to(device),
         test_y=torch.from_numpy(part.y_test).to(device),
+        state_mode=choose_backend(cfg.client_state, num_partitions,
+                                  solver.state_copies * model_bytes),
     )
 
 
@@ -97,7 +103,9 @@ def train(msg: Message, context: Context) -> Message:
     config = _load_global(rt, msg)
     server_round = int(config.get("server-round", 0))
     generator = seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
-    result = rt.solver.fit(rt.model, rt.train, config, context.state, generator)
+    state = open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
+                              rt.partition_id, context.state)
+    result = rt.solver.fit(rt.model, rt.train, config, state, generator)
     content = RecordDict({"arrays": result.arrays, "metrics": MetricRecord(result.metrics)})
     for key, record in result.extra.items():
         content[key] = record

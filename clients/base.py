@@ -9,7 +9,14 @@ the loop (the FL-bench pattern):
 - :meth:`begin_round`: read the received model/config/state before training;
 - :meth:`transform_gradients`: edit ``p.grad`` after ``backward()`` and before
   ``optimizer.step()`` (proximal pulls, gradient corrections, centralization);
-- :meth:`end_round`: extra records to upload and state to keep.
+- :meth:`end_round`: extra records to upload and state to keep;
+- :meth:`upload`: what replaces the weights in the reply (default: the
+  weights themselves; Douglas-Rachford methods send a model difference).
+
+Per-client tensors that must survive between rounds go through the
+:class:`clients.state.ClientState` given to every hook; ``state_copies``
+declares how many model-sized tensors a solver keeps per client (used to
+size the store and to document memory).
 
 Because hooks act on ``p.grad`` before the optimizer step, whatever they add
 goes through momentum and weight decay exactly like the task gradient.
@@ -22,8 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord
 
+from clients.state import ClientState
 from fedaccel.config import RunConfig
 
 
@@ -52,13 +60,15 @@ class LocalResult:
 class LocalSolver:
     """FedAvg's local SGD; subclasses override the hooks, never the loop."""
 
+    state_copies = 0  # model-sized tensors kept per client between rounds
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.params = cfg.algo_params
 
     # ----------------------------------------------------------------- hooks
     def begin_round(
-        self, model: torch.nn.Module, config: dict[str, Any], state: RecordDict
+        self, model: torch.nn.Module, config: dict[str, Any], state: ClientState
     ) -> None:
         """Called with the received global weights already loaded into ``model``."""
 
@@ -66,10 +76,16 @@ class LocalSolver:
         """Edit ``p.grad`` in place after backward, before the optimizer step."""
 
     def end_round(
-        self, model: torch.nn.Module, state: RecordDict
+        self, model: torch.nn.Module, state: ClientState
     ) -> dict[str, ArrayRecord]:
         """Extra ArrayRecords to upload beside the weights (none for FedAvg)."""
         return {}
+
+    def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
+        """The reply's ``arrays``: the trained weights (FedAvg's last iterate)."""
+        from fedaccel.torch_utils import state_to_arrays
+
+        return state_to_arrays(model)
 
     # ------------------------------------------------------------------ loop
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -118,16 +134,14 @@ class LocalSolver:
         model: torch.nn.Module,
         data: TrainData,
         config: dict[str, Any],
-        state: RecordDict,
+        state: ClientState,
         generator: torch.Generator,
     ) -> LocalResult:
         """One round of local training from the weights already in ``model``."""
-        from fedaccel.torch_utils import state_to_arrays
-
         lr = float(config.get("lr", self.cfg.lr))
         epochs = int(config.get("local-epochs", self.cfg.local_epochs))
         self.begin_round(model, config, state)
         metrics = self.run_epochs(model, data, generator, lr, epochs)
         extra = self.end_round(model, state)
         metrics["num-examples"] = data.num_examples
-        return LocalResult(arrays=state_to_arrays(model), metrics=metrics, extra=extra)
+        return LocalResult(arrays=self.upload(model, state), metrics=metrics, extra=extra)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from flwr.app import RecordDict
 
 from clients.base import LocalSolver
+from clients.state import ClientState
 
 
 class FedProxSolver(LocalSolver):
@@ -22,7 +22,7 @@ class FedProxSolver(LocalSolver):
 
     anchor: list[torch.Tensor]
 
-    def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: RecordDict) -> None:
+    def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState) -> None:
         self.mu = float(config.get("proximal-mu", self.params.mu))
         self.anchor = [p.detach().clone() for p in model.parameters()]
 

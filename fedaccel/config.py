@@ -102,6 +102,12 @@ class RunConfig:
     data_dir: str
     device: str
     synthetic: SyntheticConfig
+    sampler: str = "auto"
+    lr_schedule: str = "constant"
+    straggler_fraction: float = 0.0
+    straggler_policy: str = "auto"
+    client_state: str = "auto"
+    state_dir: str = ""
     algo_params: Any = None  # the algorithm's own typed config dataclass
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -119,6 +125,21 @@ class RunConfig:
                 f"\"num-supernodes=N\"; fast runner: --num-clients N)",
             )
         return size
+
+    def lr_at(self, server_round: int) -> float:
+        """The local learning rate of a round.
+
+        ``lr-schedule='step'`` is the FedCDR paper's schedule (section 6.1 /
+        appendix G.2): ``lr`` x 0.1 from half of the rounds and x 0.01 from
+        three quarters on; ``constant`` keeps ``lr``.
+        """
+        if self.lr_schedule == "step":
+            done = (server_round - 1) / self.num_server_rounds
+            if done >= 0.75:
+                return self.lr * 0.01
+            if done >= 0.5:
+                return self.lr * 0.1
+        return self.lr
 
     def is_eval_round(self, server_round: int) -> bool:
         """Server-side test evaluation happens every ``eval-every`` rounds and at the end."""
@@ -230,6 +251,13 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
     require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")
 
+    from clients.state import CLIENT_STATES
+    from fedaccel.samplers import SAMPLERS
+
+    straggler_fraction = _number(cfg, "straggler-fraction")
+    require(0 <= straggler_fraction < 1, "straggler-fraction", cfg["straggler-fraction"],
+            "must be in [0, 1): the share of each cohort that does fewer local epochs")
+
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -254,6 +282,12 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         data_dir=_string(cfg, "data-dir"),
         device=_string(cfg, "device", DEVICES),
         synthetic=synthetic,
+        sampler=_string(cfg, "sampler", SAMPLERS),
+        lr_schedule=_string(cfg, "lr-schedule", ("constant", "step")),
+        straggler_fraction=straggler_fraction,
+        straggler_policy=_string(cfg, "straggler-policy", ("auto", "drop", "partial")),
+        client_state=_string(cfg, "client-state", CLIENT_STATES),
+        state_dir=_string(cfg, "state-dir"),
         algo_params=parse_algo_params(spec.params, spec.prefix, cfg),
         raw=dict(cfg),
     )
@@ -263,5 +297,6 @@ _REQUIRED = (
     "algo", "dataset", "model", "partition", "dirichlet-alpha", "num-server-rounds",
     "clients-per-round", "local-epochs", "batch-size", "lr", "momentum", "weight-decay",
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
-    "local-test-fraction", "data-dir", "device",
+    "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
+    "straggler-fraction", "straggler-policy", "client-state", "state-dir",
 )

@@ -12,6 +12,7 @@ from datetime import datetime
 from logging import INFO
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
@@ -135,12 +136,14 @@ class Experiment:
     def run(self, grid: Grid) -> dict:
         """Train for ``num-server-rounds`` and write every results file."""
         initial = state_to_arrays(self.model)
-        self.strategy.start(
+        result = self.strategy.start(
             grid=grid,
             initial_arrays=initial,
             num_rounds=self.cfg.num_server_rounds,
             evaluate_fn=self.on_round_end,
         )
+        final = result.arrays if len(result.arrays) else initial
+        np.savez(self.run_dir / "final_model.npz", **{k: a.numpy() for k, a in final.items()})
         return self.recorder.finish()
 
 

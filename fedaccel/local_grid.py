@@ -11,6 +11,7 @@ ServerApp and ClientApp objects run unchanged on it.
 
 from __future__ import annotations
 
+import secrets
 import traceback
 import uuid
 from collections.abc import Iterable
@@ -35,7 +36,10 @@ class LocalGrid(Grid):
     """
 
     def __init__(self, client_app: ClientApp, run_config: dict, num_clients: int,
-                 seed: int = 0, run_id: int = 1) -> None:
+                 seed: int = 0, run_id: int | None = None) -> None:
+        # A fresh run id per grid, as Flower gives each run: disk client state
+        # is keyed by it, so two runs never share state.
+        run_id = run_id if run_id is not None else secrets.randbits(62) + 1
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
         # Message() reads the sender's identity from the process, as the

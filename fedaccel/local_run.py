@@ -15,6 +15,7 @@ Values use ``flwr run --run-config`` syntax (TOML); a bare word such as
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,18 +90,21 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.common.logger import FLOWER_LOGGER
 
     from apps.client_app import app as client_app
+    from clients.state import state_run_dir
     from apps.server_app import app as server_app
     from fedaccel.local_grid import LocalGrid
 
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     previous = os.environ.get("FEDACCEL_QUIET")
     os.environ["FEDACCEL_QUIET"] = "1" if quiet else "0"
     try:
         server_app(grid, context)
     finally:
+        shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
+                      ignore_errors=True)
         if previous is None:
             del os.environ["FEDACCEL_QUIET"]
         else:

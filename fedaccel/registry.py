@@ -36,6 +36,8 @@ class AlgorithmSpec:
     params: type
     summary: str
     config_prefix: str = ""
+    default_sampler: str = "uniform"  # what sampler='auto' means for this algorithm
+    default_straggler_policy: str = "drop"  # what straggler-policy='auto' means
 
     @property
     def prefix(self) -> str:

@@ -36,6 +36,8 @@ from flwr.serverapp import Grid
 
 from fedaccel.config import RunConfig
 from fedaccel.errors import RoundFailedError
+from fedaccel.samplers import cohort as sample_partitions
+from fedaccel.samplers import uniform_cohort  # noqa: F401  (re-exported)
 from fedaccel.torch_utils import derive_seed, payload_bytes
 
 
@@ -85,12 +87,6 @@ class NodeSubset(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
-def uniform_cohort(seed: int, server_round: int, num_clients: int, size: int) -> list[int]:
-    """Seeded sampling without replacement of ``size`` partition ids, sorted."""
-    rng = np.random.default_rng(derive_seed(seed, server_round, "cohort"))
-    return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
-
-
 def mean_client_accuracy(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
     """ACCL: unweighted mean over clients of local-test accuracy (clients with
     an empty local test split are skipped); also the example-weighted loss."""
@@ -114,6 +110,8 @@ class RoundLog:
     """Per-round facts the strategy knows and the recorder writes out."""
 
     sampled: list[int] = field(default_factory=list)
+    stragglers: dict[int, int] = field(default_factory=dict)  # partition id -> local epochs
+    dropped: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     replies: int = 0
@@ -142,18 +140,41 @@ class FedAccelStrategy:
         self.run_cfg = run_cfg
         self.federation = federation
         self.cohort_size = run_cfg.cohort_size(federation.num_clients)
+        from fedaccel.registry import get_algorithm
+
+        spec = get_algorithm(run_cfg.algo)
+        self.sampler = spec.default_sampler if run_cfg.sampler == "auto" else run_cfg.sampler
+        self.straggler_policy = (spec.default_straggler_policy if run_cfg.straggler_policy == "auto"
+                                 else run_cfg.straggler_policy)
         self.rounds: dict[int, RoundLog] = {}
+        self.global_arrays: ArrayRecord | None = None  # the model sent this round
 
     # ------------------------------------------------------------- hooks
     def sample_cohort(self, server_round: int) -> list[int]:
-        """Partition ids that train this round (seeded, without replacement)."""
-        return uniform_cohort(
-            self.run_cfg.seed, server_round, self.federation.num_clients, self.cohort_size
-        )
+        """Partition ids that train this round (``sampler``: uniform or reshuffle)."""
+        return sample_partitions(self.sampler, self.run_cfg.seed, server_round,
+                                 self.federation.num_clients, self.cohort_size)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Values every client gets with its training message this round."""
-        return {"lr": self.run_cfg.lr, "local-epochs": self.run_cfg.local_epochs}
+        return {"lr": self.run_cfg.lr_at(server_round), "local-epochs": self.run_cfg.local_epochs}
+
+    def choose_stragglers(self, server_round: int, cohort: list[int]) -> dict[int, int]:
+        """FedCDR appendix F.3: ``straggler-fraction`` of the cohort (rounded) does
+        a number of local epochs drawn uniformly from 1..``local-epochs``."""
+        count = int(round(self.run_cfg.straggler_fraction * len(cohort)))
+        if count == 0:
+            return {}
+        rng = np.random.default_rng(derive_seed(self.run_cfg.seed, server_round, "stragglers"))
+        chosen = rng.choice(len(cohort), size=count, replace=False)
+        epochs = rng.integers(1, self.run_cfg.local_epochs + 1, size=count)
+        return {cohort[int(i)]: int(e) for i, e in zip(sorted(chosen), epochs)}
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Turn the valid replies into the new global model: the wrapped Flower
+        strategy's aggregation by default. ``self.global_arrays`` is the model
+        that was sent."""
+        return super().aggregate_train(server_round, replies)  # type: ignore[misc]
 
     # ------------------------------------------------------------ training
     def configure_train(
@@ -162,10 +183,19 @@ class FedAccelStrategy:
         cohort = self.sample_cohort(server_round)
         log_ = self.rounds.setdefault(server_round, RoundLog())
         log_.sampled = list(cohort)
+        log_.stragglers = self.choose_stragglers(server_round, cohort)
         config = ConfigRecord({**dict(config), **self.round_config(server_round)})
         view = NodeSubset(grid, [self.federation.node_of_partition[p] for p in cohort])
+        self.global_arrays = arrays
         self._sent_dtypes = {key: array.dtype for key, array in arrays.items()}
         messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
+        if log_.stragglers:
+            pid = self.federation.partition_of_node
+            messages = [
+                _with_config(m, {"local-epochs": log_.stragglers[pid[m.metadata.dst_node_id]]})
+                if pid[m.metadata.dst_node_id] in log_.stragglers else m
+                for m in messages
+            ]
         log_.bytes_down += sum(_message_bytes(m) for m in messages)
         return messages
 
@@ -186,7 +216,16 @@ class FedAccelStrategy:
         if log_.failures:
             log(WARNING, "round %s: %s of %s clients failed; aggregating the rest",
                 server_round, log_.failures, len(replies))
-        arrays, metrics = super().aggregate_train(server_round, ok)  # type: ignore[misc]
+        if log_.stragglers and self.straggler_policy == "drop":
+            pid = self.federation.partition_of_node
+            kept = [m for m in ok if pid.get(m.metadata.src_node_id) not in log_.stragglers]
+            log_.dropped = len(ok) - len(kept)
+            ok = kept
+            if not ok:
+                log(WARNING, "round %s: every reply came from a straggler and was dropped "
+                    "(straggler-policy='drop'); the model is unchanged", server_round)
+                return None, None
+        arrays, metrics = self.combine(server_round, ok)
         if arrays is not None:
             arrays = self._keep_dtypes(arrays)
         if metrics is not None and "train-loss" in metrics:
@@ -245,3 +284,15 @@ def _last_line(reason: str | None) -> str:
     """The last line of an error reason (Flower's reasons end with the exception)."""
     lines = (reason or "").strip().splitlines()
     return lines[-1] if lines else "no reason given"
+
+
+def _with_config(message: Message, updates: dict[str, Any]) -> Message:
+    """A copy of a training message whose ConfigRecord has ``updates`` applied.
+
+    Flower's FedAvg gives every message the same RecordDict object, so a
+    per-client value needs a new RecordDict (the arrays are shared, not copied).
+    """
+    content = message.content
+    records = {k: v for k, v in content.items() if k != "config"}
+    records["config"] = ConfigRecord({**dict(content.config_records["config"]), **updates})
+    return Message(RecordDict(records), message.metadata.dst_node_id, message.metadata.message_type)

@@ -1,0 +1,64 @@
+"""Server side of the Douglas-Rachford methods (FedCDR, FedDR).
+
+Clients reply with ``g_i = xhat_i' - xhat_i`` instead of weights; the server
+adds ``(1/n) sum_{i in S} g_i`` with ``n`` the total number of clients
+(FedCDR Algorithm 1, lines 8-9), which keeps the global model equal to the
+mean of all clients' ``xhat_i``. This module registers no algorithm itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from clients.douglas_rachford import server_step
+from fedaccel.config import RunConfig, config_error, require
+from strategies.base import FedAccelStrategy, Federation
+
+PROX_STARTS = ("server", "local")
+INITS = ("model", "zeros")
+
+
+@dataclass(frozen=True)
+class DouglasRachfordParams:
+    """``eta`` (prox coefficient), ``alpha`` (relaxation), ``prox-start``, ``init``."""
+
+    eta: float = 10.0
+    alpha: float = 1.0
+    prox_start: str = "server"
+    init: str = "model"
+
+    def validate(self, prefix: str) -> None:
+        require(self.eta > 0, f"{prefix}.eta", self.eta, "must be > 0")
+        require(0 < self.alpha < 2, f"{prefix}.alpha", self.alpha, "must be in (0, 2)")
+        require(self.prox_start in PROX_STARTS, f"{prefix}.prox-start", self.prox_start,
+                f"allowed: {', '.join(PROX_STARTS)}")
+        require(self.init in INITS, f"{prefix}.init", self.init, f"allowed: {', '.join(INITS)}")
+
+
+class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
+    """``x <- x + (1/n) sum g_i`` over the replies of the round."""
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        super().__init__(run_cfg=run_cfg, federation=federation)
+        if run_cfg.straggler_fraction > 0 and self.straggler_policy == "drop":
+            raise config_error(
+                "straggler-policy", "drop",
+                f"{run_cfg.algo} clients update their state every time they train, so dropping "
+                "their replies would break x = mean(xhat); use 'partial' (or 'auto')")
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        assert self.global_arrays is not None
+        g_sum = {k: np.zeros_like(a.numpy()) for k, a in self.global_arrays.items()}
+        for reply in replies:
+            for k, a in reply.content["arrays"].items():
+                g_sum[k] += a.numpy()
+        n = self.federation.num_clients
+        new = ArrayRecord({k: Array(np.asarray(server_step(a.numpy(), g_sum[k], n)))
+                           for k, a in self.global_arrays.items()})
+        metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
+        return new, metrics

@@ -1,0 +1,34 @@
+"""FedCDR: Federated Client Reshuffling Douglas-Rachford (fedcdr-client-reshuffling-dr.txt).
+
+Algorithm 1: reshuffled cohorts (every client once per meta-epoch), a
+Douglas-Rachford step with an inexact prox on each selected client
+(:mod:`clients.douglas_rachford`), and ``x <- x + (1/n) sum g_i`` on the
+server (:mod:`strategies.douglas_rachford`). Stragglers' partial updates are
+used (appendix F.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clients.douglas_rachford import DouglasRachfordSolver
+from fedaccel.config import RunConfig
+from fedaccel.registry import AlgorithmSpec
+from strategies.base import Federation
+from strategies.douglas_rachford import DouglasRachfordParams, DouglasRachfordStrategy
+
+
+@dataclass(frozen=True)
+class FedCDRParams(DouglasRachfordParams):
+    """``fedcdr.eta``, ``fedcdr.alpha``, ``fedcdr.prox-start``, ``fedcdr.init``."""
+
+
+def build(cfg: RunConfig, federation: Federation) -> DouglasRachfordStrategy:
+    return DouglasRachfordStrategy(run_cfg=cfg, federation=federation)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="fedcdr", build_strategy=build, solver=DouglasRachfordSolver, params=FedCDRParams,
+    summary="FedCDR: Douglas-Rachford splitting with reshuffled client cohorts",
+    default_sampler="reshuffle", default_straggler_policy="partial",
+)
