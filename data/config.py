@@ -64,6 +64,9 @@ class DataConfig:
     synthetic_iid: bool = False
     # clip per-client sample counts (FedProx draws lognormal(4, 2) + 50)
     synthetic_max_samples: int = 1000
+    # per-client sizes: LogNormal(synthetic_size_mu, 2) + synthetic_min_samples
+    synthetic_size_mu: float = 4.0
+    synthetic_min_samples: int = 50
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -107,6 +110,13 @@ class DataConfig:
                 f"synthetic.max-samples={self.synthetic_max_samples!r} is invalid; "
                 "it must be an integer >= 1"
             )
+        if not _is_int(self.synthetic_min_samples) or not 1 <= self.synthetic_min_samples <= self.synthetic_max_samples:
+            raise DataError(
+                f"synthetic.min-samples={self.synthetic_min_samples!r} is invalid; it must be an "
+                f"integer in [1, synthetic.max-samples={self.synthetic_max_samples}]"
+            )
+        if not _is_number(self.synthetic_size_mu) or not math.isfinite(self.synthetic_size_mu):
+            raise DataError(f"synthetic.size-mu={self.synthetic_size_mu!r} is invalid; it must be a finite number")
         if self.dataset == "synthetic" and self.partition not in ("auto", "natural"):
             raise DataError(
                 f"partition={self.partition!r} is not available for dataset 'synthetic': "
@@ -121,6 +131,7 @@ class DataConfig:
 
         # Normalise numpy / int scalars so equal configs hash equal (cache key).
         for name, kind in (("num_clients", int), ("seed", int), ("synthetic_max_samples", int),
+                           ("synthetic_min_samples", int), ("synthetic_size_mu", float),
                            ("dirichlet_alpha", float), ("local_test_fraction", float),
                            ("synthetic_alpha", float), ("synthetic_beta", float),
                            ("synthetic_iid", bool)):

@@ -115,6 +115,8 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
         cfg.synthetic_iid,
         cfg.synthetic_max_samples,
         rng,
+        size_mu=float(cfg.synthetic_size_mu),
+        min_samples=int(cfg.synthetic_min_samples),
     )
     offsets = np.cumsum([0] + [len(y) for y in ys])
     users = [np.arange(offsets[i], offsets[i + 1]) for i in range(cfg.num_clients)]

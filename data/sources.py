@@ -114,6 +114,8 @@ def generate_synthetic(
     iid: bool,
     max_samples: int,
     rng: np.random.Generator,
+    size_mu: float = 4.0,
+    min_samples: int = 50,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """FedProx's Synthetic-(alpha, beta) data, one (x, y) pair per user.
 
@@ -125,9 +127,12 @@ def generate_synthetic(
     (same distribution as ``multivariate_normal`` with the diagonal
     covariance, much faster); in the IID variant ``mean_x = 0`` (FedProx
     writes ``B[i]``, which is 0 in its synthetic_iid run where beta = 0).
+    Sizes are ``LogNormal(size_mu, 2) + min_samples`` clipped to
+    ``max_samples``: FedProx uses (4, 50, no clip); FedCDR appendix G.1 uses
+    (2, 10, 50).
     """
     d, c = SYNTHETIC_DIM, SYNTHETIC_CLASSES
-    sizes = rng.lognormal(4, 2, num_users).astype(np.int64) + 50
+    sizes = rng.lognormal(size_mu, 2, num_users).astype(np.int64) + min_samples
     sizes = np.minimum(sizes, max_samples)
     mean_w = rng.normal(0.0, alpha, num_users)
     mean_b = mean_w

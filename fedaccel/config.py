@@ -74,6 +74,8 @@ class SyntheticConfig:
     beta: float = 1.0
     iid: bool = False
     max_samples: int = 1000
+    size_mu: float = 4.0
+    min_samples: int = 50
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,9 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         iid=_boolean(cfg, "synthetic.iid") if "synthetic.iid" in cfg else False,
         max_samples=(_integer(cfg, "synthetic.max-samples", 2)
                      if "synthetic.max-samples" in cfg else 1000),
+        size_mu=_number(cfg, "synthetic.size-mu") if "synthetic.size-mu" in cfg else 4.0,
+        min_samples=(_integer(cfg, "synthetic.min-samples", 1)
+                     if "synthetic.min-samples" in cfg else 50),
     )
     require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
     require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")

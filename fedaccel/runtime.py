@@ -23,6 +23,8 @@ def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:
         synthetic_beta=cfg.synthetic.beta,
         synthetic_iid=cfg.synthetic.iid,
         synthetic_max_samples=cfg.synthetic.max_samples,
+        synthetic_size_mu=cfg.synthetic.size_mu,
+        synthetic_min_samples=cfg.synthetic.min_samples,
     )
 
 

@@ -1,0 +1,283 @@
+"""Per-client state between rounds: the two stores and their use in real runs.
+
+The store unit tests use :class:`clients.state.ContextState` and
+:class:`clients.state.DiskState` directly; the run tests drive FedCDR through
+the fast runner (``run_local``) or through a :class:`LocalGrid` built here so
+the clients' stored tensors can be read after the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+import clients.state as state_mod
+from clients.state import (
+    AUTO_DISK_BYTES,
+    ContextState,
+    DiskState,
+    choose_backend,
+    open_client_state,
+    state_run_dir,
+)
+from fedaccel.local_run import default_run_config, fuse, run_local
+
+DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+CPU = torch.device("cpu")
+
+
+def tensors() -> OrderedDict[str, torch.Tensor]:
+    return OrderedDict([
+        ("fc.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3) / 7),
+        ("fc.bias", torch.tensor([-1.5, 2.25], dtype=torch.float32)),
+        ("y.emb", torch.tensor([[1e-30, 3.0]], dtype=torch.float64)),
+        ("steps", torch.tensor(5, dtype=torch.int64)),  # a 0-d buffer
+    ])
+
+
+def stores(tmp_path: Path):
+    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0")}
+
+
+# --------------------------------------------------------------------------- #
+# the stores
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_round_trip_on_requested_device(tmp_path, kind, device):
+    store = stores(tmp_path)[kind]
+    src = tensors()
+    store.put("dr", src)
+    got = store.get("dr", device)
+    assert list(got) == list(src)  # names and their order
+    for name, t in src.items():
+        assert got[name].device.type == device.type
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name].cpu(), t)
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_missing_name_is_none(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    assert store.get("dr", CPU) is None
+    store.put("other", tensors())
+    assert store.get("dr", CPU) is None
+    assert store.get("other", CPU) is not None
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_put_copies_and_get_returns_fresh_tensors(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    src = tensors()
+    store.put("dr", src)
+    for t in src.values():
+        t.add_(100)  # later edits of the source must not leak in
+    got = store.get("dr", CPU)
+    for name, t in tensors().items():
+        assert torch.equal(got[name], t)
+    got["fc.bias"].zero_()  # nor edits of what get returned
+    assert torch.equal(store.get("dr", CPU)["fc.bias"], tensors()["fc.bias"])
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_put_overwrites(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    store.put("dr", tensors())
+    store.put("dr", {"only": torch.ones(3)})
+    got = store.get("dr", CPU)
+    assert list(got) == ["only"] and torch.equal(got["only"], torch.ones(3))
+
+
+def test_put_accepts_tensors_that_require_grad(tmp_path):
+    w = torch.nn.Parameter(torch.ones(2))
+    for store in stores(tmp_path).values():
+        store.put("p", {"w": w})
+        assert torch.equal(store.get("p", CPU)["w"], torch.ones(2))
+
+
+def test_disk_state_one_npz_per_name(tmp_path):
+    folder = tmp_path / "run-1" / "client-3"
+    store = DiskState(folder)
+    assert not folder.exists()  # nothing is created before the first put
+    store.put("dr", tensors())
+    store.put("scaffold", {"c": torch.zeros(4)})
+    store.put("dr", tensors())  # rewriting leaves no temporary file behind
+    assert sorted(p.name for p in folder.iterdir()) == ["dr.npz", "scaffold.npz"]
+    with np.load(folder / "dr.npz") as data:
+        assert sorted(data.files) == sorted(tensors())
+        np.testing.assert_array_equal(data["fc.bias"], [-1.5, 2.25])
+
+
+def test_context_state_lives_in_the_record(tmp_path):
+    record = RecordDict()
+    ContextState(record).put("dr", tensors())
+    assert "fedaccel.dr" in record.array_records
+    # a second view of the same RecordDict sees it (the Context is what persists)
+    assert torch.equal(ContextState(record).get("dr", CPU)["fc.bias"], tensors()["fc.bias"])
+
+
+def test_open_client_state_paths(tmp_path):
+    record = RecordDict()
+    disk = open_client_state("disk", str(tmp_path), 42, 7, record)
+    assert isinstance(disk, DiskState)
+    assert disk.folder == tmp_path / "run-42" / "client-7"
+    assert state_run_dir(str(tmp_path), 42) == tmp_path / "run-42"
+    ctx = open_client_state("context", str(tmp_path), 42, 7, record)
+    assert isinstance(ctx, ContextState) and ctx.record is record
+
+
+def test_state_dir_defaults_to_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDACCEL_STATE_DIR", str(tmp_path / "s"))
+    assert state_run_dir("", 9) == tmp_path / "s" / "run-9"
+
+
+# --------------------------------------------------------------------------- #
+# choose_backend
+# --------------------------------------------------------------------------- #
+def test_choose_backend_auto_threshold():
+    per_client = 3 * 407_000
+    limit_clients = AUTO_DISK_BYTES // per_client
+    assert choose_backend("auto", limit_clients, per_client) == "context"
+    assert choose_backend("auto", limit_clients + 1, per_client) == "disk"
+    assert choose_backend("auto", 1, AUTO_DISK_BYTES) == "context"  # exactly at the limit
+    assert choose_backend("auto", 1, AUTO_DISK_BYTES + 1) == "disk"
+    assert choose_backend("auto", 10_000, 0) == "context"  # stateless solvers
+
+
+@pytest.mark.parametrize("mode", ["context", "disk"])
+def test_choose_backend_explicit_modes_pass_through(mode):
+    assert choose_backend(mode, 1, 0) == mode
+    assert choose_backend(mode, 10**9, 10**9) == mode
+
+
+# --------------------------------------------------------------------------- #
+# state across rounds in real runs
+# --------------------------------------------------------------------------- #
+SMALL = {
+    "algo": "fedcdr",
+    "synthetic.max-samples": 60,
+    "clients-per-round": 3,
+    "local-epochs": 1,
+    "num-server-rounds": 4,
+    "accl-every": 2,
+}
+
+
+def small_config(tmp_path: Path, name: str, **overrides) -> dict:
+    return fuse(default_run_config(), {**SMALL, "results-dir": str(tmp_path / "results"),
+                                       "run-name": name, **overrides})
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+def run_on_grid(run_config: dict, num_clients: int):
+    """Run the real ServerApp/ClientApp on a LocalGrid we keep (run_local does
+    the same, then deletes the disk state)."""
+    from apps.client_app import app as client_app
+    from apps.server_app import app as server_app
+    from fedaccel.local_grid import LocalGrid
+
+    grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config["seed"]))
+    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+                      run_config=run_config)
+    server_app(grid, context)
+    return grid
+
+
+def partition_of(context: Context) -> int:
+    return int(context.node_config["partition-id"])
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setenv("FEDACCEL_QUIET", "1")
+
+
+def test_run_local_context_and_disk_give_identical_runs(tmp_path, monkeypatch):
+    puts: list[Path] = []
+    real_put = DiskState.put
+
+    def spy(self, name, values):
+        puts.append(self.folder)
+        real_put(self, name, values)
+
+    monkeypatch.setattr(DiskState, "put", spy)
+    state_dir = tmp_path / "state"
+    ctx_dir = run_local(small_config(tmp_path, "ctx", **{"client-state": "context"}),
+                        num_clients=6, quiet=True)
+    assert puts == []  # context mode never touches the disk
+    disk_dir = run_local(small_config(tmp_path, "disk", **{"client-state": "disk",
+                                                           "state-dir": str(state_dir)}),
+                         num_clients=6, quiet=True)
+    # 4 rounds x 3 clients, each writes its state once, under state-dir/run-<id>/client-<pid>
+    assert len(puts) == 12
+    assert {p.parent.parent for p in puts} == {state_dir}
+    assert {p.name for p in puts} == {f"client-{i}" for i in range(6)}
+    # the same seed gives the same run whichever store kept the state
+    assert metrics(ctx_dir) == metrics(disk_dir)
+    assert len(metrics(ctx_dir)) == 4
+    for name in ("final_model.npz",):
+        with np.load(ctx_dir / name) as a, np.load(disk_dir / name) as b:
+            assert sorted(a.files) == sorted(b.files)
+            for k in a.files:
+                np.testing.assert_array_equal(a[k], b[k])
+    # run_local removed this run's state folder
+    assert not state_dir.exists() or list(state_dir.iterdir()) == []
+
+
+def test_state_survives_rounds_in_both_stores(tmp_path, quiet):
+    """Every client trained twice (2 meta-epochs of reshuffling); the tensors
+    each store keeps after the run are the same, and disk mode leaves the
+    Contexts empty."""
+    grid_ctx = run_on_grid(small_config(tmp_path, "g-ctx", **{"client-state": "context"}), 6)
+    state_dir = tmp_path / "state"
+    grid_disk = run_on_grid(small_config(tmp_path, "g-disk", **{"client-state": "disk",
+                                                                "state-dir": str(state_dir)}), 6)
+    run_folder = state_run_dir(str(state_dir), grid_disk.run.run_id)
+    assert sorted(p.name for p in run_folder.iterdir()) == [f"client-{i}" for i in range(6)]
+
+    from_context = {partition_of(c): ContextState(c.state).get("dr", CPU)
+                    for c in grid_ctx.contexts.values()}
+    for c in grid_disk.contexts.values():
+        assert "fedaccel.dr" not in c.state.array_records
+    from_disk = {pid: DiskState(run_folder / f"client-{pid}").get("dr", CPU) for pid in range(6)}
+
+    final = dict(np.load(tmp_path / "results" / "g-ctx" / "final_model.npz"))
+    expected_keys = {f"{part}.{k}" for part in ("y", "x", "xhat") for k in final}
+    for pid in range(6):
+        assert from_context[pid] is not None and from_disk[pid] is not None
+        assert set(from_context[pid]) == expected_keys
+        for k, t in from_context[pid].items():
+            assert torch.equal(t, from_disk[pid][k]), (pid, k)
+            assert t.dtype == torch.float32
+        # the client state really moved away from its start
+        assert not torch.equal(from_context[pid][f"y.{next(iter(final))}"],
+                               from_context[pid][f"xhat.{next(iter(final))}"])
+
+
+def test_auto_switches_to_disk_above_the_threshold(tmp_path, monkeypatch, quiet):
+    monkeypatch.setattr(state_mod, "AUTO_DISK_BYTES", 1)
+    state_dir = tmp_path / "state"
+    grid = run_on_grid(small_config(tmp_path, "auto", **{"client-state": "auto",
+                                                         "state-dir": str(state_dir),
+                                                         "num-server-rounds": 1}), 6)
+    folder = state_run_dir(str(state_dir), grid.run.run_id)
+    assert len([p for p in folder.iterdir() if (p / "dr.npz").is_file()]) == 3
+    assert all("fedaccel.dr" not in c.state.array_records for c in grid.contexts.values())
+
+
+def test_stateless_algorithm_keeps_no_state(tmp_path, quiet):
+    grid = run_on_grid(small_config(tmp_path, "avg", algo="fedavg", **{"client-state": "disk",
+                                                                       "state-dir": str(tmp_path / "s"),
+                                                                       "num-server-rounds": 1}), 6)
+    assert not state_run_dir(str(tmp_path / "s"), grid.run.run_id).exists()
+    assert all(len(c.state.array_records) == 0 for c in grid.contexts.values())
