@@ -8,6 +8,7 @@ Data, model and solver are built once per process and reused across rounds.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -66,6 +67,7 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> Cl
     part = dataset.client(partition_id)
     model = build_model_for(cfg, dataset).to(device)
     solver = get_algorithm(cfg.algo).solver(cfg)
+    solver.initial_model = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return ClientRuntime(
         cfg=cfg,

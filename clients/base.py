@@ -24,6 +24,7 @@ goes through momentum and weight decay exactly like the task gradient.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class LocalSolver:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.params = cfg.algo_params
+        # x0, the run's initial global model (seeded, so every client rebuilds
+        # exactly the server's); set by the ClientApp before the first round.
+        self.initial_model: OrderedDict[str, torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- hooks
     def begin_round(

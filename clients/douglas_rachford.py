@@ -53,13 +53,31 @@ def server_step(x: T, g_sum: T, num_clients: int) -> T:
     return x + g_sum / num_clients  # type: ignore[operator]
 
 
+def initial_point(initial_model: OrderedDict[str, torch.Tensor] | None,
+                  received: OrderedDict[str, torch.Tensor], init: str) -> OrderedDict[str, torch.Tensor]:
+    """Where a client's y, x_i and xhat start: x0 for every client.
+
+    Algorithm 1 (line 2, appendix A) starts *all* clients at the initial model
+    x0, and the server step ``x += (1/n) sum g_i`` keeps ``x = mean_i xhat_i``
+    only if every client's ``xhat_i`` really was x0 until it first trains. A
+    client first selected in a later round therefore initialises from x0
+    (rebuilt from the seed), not from the model it receives then. With
+    ``init='zeros'`` (FedDR's public code) the start, and the server's initial
+    model, are zero.
+    """
+    if init == "zeros":
+        return OrderedDict((k, torch.zeros_like(v)) for k, v in received.items())
+    if initial_model is None:
+        raise RuntimeError("the ClientApp must set solver.initial_model (x0) before training")
+    return OrderedDict((k, initial_model[k].to(received[k].device)) for k in received)
+
+
 class DouglasRachfordSolver(LocalSolver):
     """Inexact-prox DR client; params ``eta``, ``alpha``, ``prox_start``, ``init``.
 
     State per client (``dr``): ``y``, ``x`` (= x_i) and ``xhat``, one tensor each
-    per model entry, created the first time the client is selected: all equal
-    to the received model (paper, ``init='model'``), or ``y = xhat = 0`` and
-    ``x_i`` = the received model (FedDR public code, ``init='zeros'``).
+    per model entry, created the first time the client is selected at the
+    run's initial point (:func:`initial_point`).
     """
 
     state_copies = 3
@@ -69,10 +87,10 @@ class DouglasRachfordSolver(LocalSolver):
         received = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
         saved = state.get("dr", device)
         if saved is None:
-            zeros = getattr(self.params, "init", "model") == "zeros"
-            y = OrderedDict((k, torch.zeros_like(v) if zeros else v.clone()) for k, v in received.items())
-            x_local = OrderedDict((k, v.clone()) for k, v in received.items())
-            xhat = OrderedDict((k, torch.zeros_like(v) if zeros else v.clone()) for k, v in received.items())
+            start = initial_point(self.initial_model, received, self.params.init)
+            y = OrderedDict((k, v.clone()) for k, v in start.items())
+            x_local = OrderedDict((k, v.clone()) for k, v in start.items())
+            xhat = OrderedDict((k, v.clone()) for k, v in start.items())
         else:
             y = OrderedDict((k, saved[f"y.{k}"]) for k in received)
             x_local = OrderedDict((k, saved[f"x.{k}"]) for k in received)

@@ -135,7 +135,7 @@ class Experiment:
 
     def run(self, grid: Grid) -> dict:
         """Train for ``num-server-rounds`` and write every results file."""
-        initial = state_to_arrays(self.model)
+        initial = self.strategy.initial_model(state_to_arrays(self.model))
         result = self.strategy.start(
             grid=grid,
             initial_arrays=initial,

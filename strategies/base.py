@@ -170,6 +170,10 @@ class FedAccelStrategy:
         epochs = rng.integers(1, self.run_cfg.local_epochs + 1, size=count)
         return {cohort[int(i)]: int(e) for i, e in zip(sorted(chosen), epochs)}
 
+    def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The model of round 1, given the seeded initial model (hook)."""
+        return arrays
+
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Turn the valid replies into the new global model: the wrapped Flower
         strategy's aggregation by default. ``self.global_arrays`` is the model

@@ -51,6 +51,12 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
                 f"{run_cfg.algo} clients update their state every time they train, so dropping "
                 "their replies would break x = mean(xhat); use 'partial' (or 'auto')")
 
+    def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
+        """x0; zero with ``init='zeros'`` so that x = mean(xhat) holds from the start."""
+        if self.run_cfg.algo_params.init == "zeros":
+            return ArrayRecord({k: Array(np.zeros_like(a.numpy())) for k, a in arrays.items()})
+        return arrays
+
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.global_arrays is not None
         g_sum = {k: np.zeros_like(a.numpy()) for k, a in self.global_arrays.items()}

@@ -21,7 +21,9 @@ from fedaccel.superlink import local_superlink_pids, stop_local_superlink
 pytestmark = pytest.mark.slow
 
 CONTROL_PORT = "39293"
-ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam")
+# fedcdr keeps client state across rounds: matching the fast runner over
+# several rounds shows the state survives in Ray's simulation too.
+ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedcdr")
 NUM_CLIENTS = 6
 
 
@@ -49,7 +51,7 @@ def flwr_env(tmp_path_factory):
 
 def overrides(algo: str, results_dir: Path) -> dict:
     return {
-        "algo": algo, "num-server-rounds": 3, "clients-per-round": 3, "local-epochs": 1,
+        "algo": algo, "num-server-rounds": 4, "clients-per-round": 3, "local-epochs": 1,
         "accl-every": 2, "synthetic.max-samples": 120, "results-dir": str(results_dir),
         "run-name": algo,
     }
@@ -86,7 +88,7 @@ def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo):
                          num_clients=NUM_CLIENTS, quiet=True)
     sim, fast = rows(sim_dir), rows(fast_dir)
     test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
-    assert len(sim) == len(fast) == 3
+    assert len(sim) == len(fast) == 4
     for s, f in zip(sim, fast):
         assert s["bytes_up"] == f["bytes_up"] and s["bytes_down"] == f["bytes_down"]
         assert abs(s["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
