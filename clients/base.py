@@ -110,8 +110,11 @@ class LocalSolver:
         """``epochs`` shuffled passes of mini-batch SGD; returns loss and step count."""
         from data import random_crop_flip
 
+        from fedaccel.composition import client_gradient_transforms
+
         model.train()
         optimizer = self.make_optimizer(model, lr)
+        composed = client_gradient_transforms(self.cfg, model)
         n, bs = data.num_examples, self.cfg.batch_size
         loss_sum = torch.zeros((), device=data.x.device)
         seen, steps = 0, 0
@@ -126,6 +129,8 @@ class LocalSolver:
                 loss = F.cross_entropy(model(xb), yb)
                 loss.backward()
                 self.transform_gradients(model)
+                for transform in composed:
+                    transform(model)
                 optimizer.step()
                 loss_sum += loss.detach() * yb.shape[0]
                 seen += int(yb.shape[0])

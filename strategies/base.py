@@ -170,6 +170,15 @@ class FedAccelStrategy:
         epochs = rng.integers(1, self.run_cfg.local_epochs + 1, size=count)
         return {cohort[int(i)]: int(e) for i, e in zip(sorted(chosen), epochs)}
 
+    def broadcast_arrays(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The model sent to clients (hook; FedACG sends a lookahead point)."""
+        return arrays
+
+    def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Extra ArrayRecords sent to every client with the model (hook;
+        e.g. SCAFFOLD's server control variate). Counted in bytes_down."""
+        return {}
+
     def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
         """The model of round 1, given the seeded initial model (hook)."""
         return arrays
@@ -190,9 +199,13 @@ class FedAccelStrategy:
         log_.stragglers = self.choose_stragglers(server_round, cohort)
         config = ConfigRecord({**dict(config), **self.round_config(server_round)})
         view = NodeSubset(grid, [self.federation.node_of_partition[p] for p in cohort])
+        arrays = self.broadcast_arrays(server_round, arrays)
         self.global_arrays = arrays
         self._sent_dtypes = {key: array.dtype for key, array in arrays.items()}
         messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
+        extra = self.broadcast_records(server_round)
+        if extra:
+            messages = [_with_records(m, extra) for m in messages]
         if log_.stragglers:
             pid = self.federation.partition_of_node
             messages = [
@@ -230,6 +243,11 @@ class FedAccelStrategy:
                     "(straggler-policy='drop'); the model is unchanged", server_round)
                 return None, None
         arrays, metrics = self.combine(server_round, ok)
+        if arrays is not None and self.global_arrays is not None:
+            from fedaccel.composition import server_update_transforms
+
+            for transform in server_update_transforms(self.run_cfg):
+                arrays = transform(self.global_arrays, arrays)
         if arrays is not None:
             arrays = self._keep_dtypes(arrays)
         if metrics is not None and "train-loss" in metrics:
@@ -300,3 +318,10 @@ def _with_config(message: Message, updates: dict[str, Any]) -> Message:
     records = {k: v for k, v in content.items() if k != "config"}
     records["config"] = ConfigRecord({**dict(content.config_records["config"]), **updates})
     return Message(RecordDict(records), message.metadata.dst_node_id, message.metadata.message_type)
+
+
+def _with_records(message: Message, records: dict[str, ArrayRecord]) -> Message:
+    """A copy of a training message with extra records added (arrays shared)."""
+    content = dict(message.content.items())
+    content.update(records)
+    return Message(RecordDict(content), message.metadata.dst_node_id, message.metadata.message_type)
