@@ -49,6 +49,12 @@ def _integer(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
     return int(value)
 
 
+def _positive(cfg: Mapping[str, Any], key: str) -> float:
+    value = _number(cfg, key)
+    require(value > 0, key, cfg[key], "must be > 0 (seconds)")
+    return value
+
+
 def _string(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...] | None = None) -> str:
     value = cfg[key]
     require(isinstance(value, str), key, value, "must be a string (quote it: key='value')")
@@ -76,6 +82,26 @@ class SyntheticConfig:
     max_samples: int = 1000
     size_mu: float = 4.0
     min_samples: int = 50
+
+
+@dataclass(frozen=True)
+class GCConfig:
+    """Gradient centralization on top of any algorithm (``gc.*``; GC-Fed paper).
+
+    ``mode``: none | local (LocalGC) | global (GlobalGC) | hybrid (GC-Fed);
+    the key's ``auto`` resolves to the algorithm's ``default_gc_mode`` (its
+    params class attribute; ``none`` when absent). ``lam`` (key ``gc.lambda``):
+    share of parameter tensors, in ``named_parameters()`` order, with local GC
+    in hybrid mode; ``global_layers``: comma-separated module names (``fc``)
+    that get global GC explicitly. See clients/gradient_centralization.py.
+    """
+
+    mode: str = "none"
+    lam: float = 1.0
+    global_layers: str = "fc"
+
+
+GC_MODES = ("auto", "none", "local", "global", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -110,7 +136,9 @@ class RunConfig:
     straggler_policy: str = "auto"
     client_state: str = "auto"
     state_dir: str = ""
+    round_timeout: float = 600.0
     algo_params: Any = None  # the algorithm's own typed config dataclass
+    gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def cohort_size(self, num_clients: int) -> int:
@@ -263,6 +291,14 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     require(0 <= straggler_fraction < 1, "straggler-fraction", cfg["straggler-fraction"],
             "must be in [0, 1): the share of each cohort that does fewer local epochs")
 
+    gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
+    gc = GCConfig(
+        mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
+        lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else 1.0,
+        global_layers=_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg else "fc",
+    )
+    require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
+
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -293,7 +329,9 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         straggler_policy=_string(cfg, "straggler-policy", ("auto", "drop", "partial")),
         client_state=_string(cfg, "client-state", CLIENT_STATES),
         state_dir=_string(cfg, "state-dir"),
+        round_timeout=_positive(cfg, "round-timeout"),
         algo_params=parse_algo_params(spec.params, spec.prefix, cfg),
+        gc=gc,
         raw=dict(cfg),
     )
 
@@ -303,5 +341,5 @@ _REQUIRED = (
     "clients-per-round", "local-epochs", "batch-size", "lr", "momentum", "weight-decay",
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
-    "straggler-fraction", "straggler-policy", "client-state", "state-dir",
+    "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
 )

@@ -140,6 +140,7 @@ class Experiment:
             grid=grid,
             initial_arrays=initial,
             num_rounds=self.cfg.num_server_rounds,
+            timeout=self.cfg.round_timeout,
             evaluate_fn=self.on_round_end,
         )
         final = result.arrays if len(result.arrays) else initial

@@ -112,6 +112,7 @@ class RoundLog:
     sampled: list[int] = field(default_factory=list)
     stragglers: dict[int, int] = field(default_factory=dict)  # partition id -> local epochs
     dropped: int = 0
+    rejected: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     replies: int = 0
@@ -220,19 +221,35 @@ class FedAccelStrategy:
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = self._ordered(replies)
-        ok = [m for m in replies if not m.has_error()]
+        ok = []
         log_ = self.rounds.setdefault(server_round, RoundLog())
-        log_.replies, log_.failures = len(ok), len(replies) - len(ok)
+        for m in replies:
+            problem = None if m.has_error() else self.reply_problem(m)
+            if problem is not None:
+                log(WARNING, "round %s: rejected the reply of node %s: %s",
+                    server_round, m.metadata.src_node_id, problem)
+                log_.rejected += 1
+            elif not m.has_error():
+                ok.append(m)
+        log_.replies = len(ok)
+        log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
         log_.bytes_up += sum(_message_bytes(m) for m in ok)
         if not ok:
-            reasons = "; ".join(sorted({_last_line(m.error.reason) for m in replies}))
+            reasons = sorted({_last_line(m.error.reason) for m in replies if m.has_error()})
+            if log_.rejected:
+                reasons.append(f"{log_.rejected} malformed replies rejected")
+            if len(replies) < len(log_.sampled):
+                reasons.append(f"{len(log_.sampled) - len(replies)} gave no reply within "
+                               f"round-timeout={self.run_cfg.round_timeout:g} s")
+            reasons = "; ".join(reasons)
             raise RoundFailedError(
                 f"round {server_round}: all {len(log_.sampled)} sampled clients failed "
                 f"({reasons or 'no reply before the timeout'})"
             )
         if log_.failures:
-            log(WARNING, "round %s: %s of %s clients failed; aggregating the rest",
-                server_round, log_.failures, len(replies))
+            log(WARNING, "round %s: %s of %s sampled clients failed, were rejected or did not "
+                "reply in time; aggregating the other %s", server_round, log_.failures,
+                len(log_.sampled), len(ok))
         if log_.stragglers and self.straggler_policy == "drop":
             pid = self.federation.partition_of_node
             kept = [m for m in ok if pid.get(m.metadata.src_node_id) not in log_.stragglers]
@@ -269,6 +286,38 @@ class FedAccelStrategy:
         if metrics is not None and "accl" in metrics:
             self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
         return metrics
+
+    def reply_problem(self, reply: Message) -> str | None:
+        """Why a training reply must not be aggregated, or None if it is sound.
+
+        Checks what every algorithm's replies share: an ``arrays`` record with
+        exactly the keys and shapes of the model that was sent, a metrics
+        record with a positive ``num-examples``, and only finite numbers in
+        every ArrayRecord. A malformed, oversized or NaN reply is rejected
+        with a logged reason instead of corrupting the global model.
+        """
+        content = reply.content
+        if "arrays" not in content.array_records:
+            return "no 'arrays' record"
+        arrays = content.array_records["arrays"]
+        sent = self.global_arrays
+        if sent is not None:
+            if list(arrays.keys()) != list(sent.keys()):
+                return f"array keys {sorted(arrays.keys())[:4]}... differ from the model's"
+            for key, array in arrays.items():
+                if tuple(array.shape) != tuple(sent[key].shape):
+                    return f"array {key!r} has shape {tuple(array.shape)}, expected {tuple(sent[key].shape)}"
+        metrics = next(iter(content.metric_records.values()), None)
+        if metrics is None or "num-examples" not in metrics:
+            return "no metrics record with 'num-examples'"
+        if not float(metrics["num-examples"]) > 0:
+            return f"num-examples={metrics['num-examples']}"
+        for name, record in content.array_records.items():
+            for key, array in record.items():
+                values = array.numpy()
+                if values.dtype.kind in "fc" and not np.isfinite(values).all():
+                    return f"non-finite values in {name}/{key}"
+        return None
 
     # ------------------------------------------------------------- helpers
     def _keep_dtypes(self, arrays: ArrayRecord) -> ArrayRecord:

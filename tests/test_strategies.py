@@ -505,3 +505,46 @@ def test_aggregate_evaluate_records_accl():
     assert metrics["accl"] == pytest.approx(0.3)
     assert metrics["num-clients"] == 2
     assert strategy.rounds[5].accl == pytest.approx(0.3)
+
+
+# --------------------------------------------------------------------------- #
+# malformed replies are rejected with a reason, never aggregated
+
+
+def raw_reply(instruction: Message, record: ArrayRecord, n: int = 1) -> Message:
+    content = RecordDict({"arrays": record, "metrics": MetricRecord({"num-examples": n})})
+    return Message(content, reply_to=instruction)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ({"w2": [9.0]}, "keys"),
+    ({"w": [9.0, 9.0, 9.0]}, "shape"),
+    ({"w": [float("nan")]}, "non-finite"),
+])
+def test_malformed_reply_is_rejected_not_aggregated(bad, reason, caplog):
+    strategy = build("fedavg")
+    msgs = configure(strategy, 1, arrays(w=[0.0]))
+    good = [reply(m, n=1, w=[2.0]) for m in msgs[:-1]]
+    new, _ = strategy.aggregate_train(1, good + [raw_reply(msgs[-1], arrays(**bad))])
+    np.testing.assert_allclose(new["w"].numpy(), [2.0])
+    assert strategy.rounds[1].rejected == 1 and strategy.rounds[1].failures == 1
+    assert reason in caplog.text
+
+
+def test_zero_examples_reply_is_rejected():
+    strategy = build("fedavg")
+    msgs = configure(strategy, 1, arrays(w=[0.0]))
+    good = [reply(m, n=1, w=[2.0]) for m in msgs[:-1]]
+    new, _ = strategy.aggregate_train(1, good + [reply(msgs[-1], n=0, w=[9.0])])
+    np.testing.assert_allclose(new["w"].numpy(), [2.0])
+
+
+def test_missing_replies_count_as_failures_and_all_missing_stops():
+    strategy = build("fedavg")
+    msgs = configure(strategy, 1, arrays(w=[0.0]))
+    new, _ = strategy.aggregate_train(1, [reply(msgs[0], n=1, w=[3.0])])
+    np.testing.assert_allclose(new["w"].numpy(), [3.0])
+    assert strategy.rounds[1].failures == len(msgs) - 1
+    configure(strategy, 2, new)
+    with pytest.raises(RoundFailedError, match="no reply within round-timeout"):
+        strategy.aggregate_train(2, [])

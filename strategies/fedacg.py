@@ -1,0 +1,137 @@
+"""FedACG (Kim et al., CVPR 2024): lookahead server momentum, Algorithm 1.
+
+Server state: momentum ``m`` (``m^0 = 0``). Round ``t``:
+
+- broadcast ``b = theta^{t-1} + lam * m^{t-1}`` (the lookahead / accelerated
+  client gradient; :meth:`FedACGStrategy.broadcast_arrays`);
+- clients train from ``b`` with the pull ``beta/2 ||w - b||^2``
+  (:class:`clients.fedacg.FedACGSolver`) and reply their weights;
+- ``Delta^t = sum_i omega_i (w_i - b)``, ``m^t = lam * m^{t-1} + Delta^t``,
+  ``theta^t = theta^{t-1} + m^t``.
+
+With the lookahead on, ``theta^t = b + Delta^t`` is the (weighted) mean of the
+clients' models, which is how it is computed (FedAvg's aggregation applied
+from ``b``; no round-off from adding and subtracting ``b``).
+
+Table 4's components are switches: ``server-momentum`` (off: ``m`` stays 0 and
+``theta^t = theta^{t-1} + Delta^t``, FedAvg's server), ``lookahead`` (off:
+``b = theta``) and ``local-regularizer`` (off: ``beta`` = 0). The lookahead
+needs the momentum (Table 4 has no lookahead-only row), so
+``lookahead = true`` with ``server-momentum = false`` is a config error.
+
+Relation to FedAvgM: with ``lookahead = false`` and ``beta = 0`` the server
+trajectory is exactly Flower's FedAvgM with server lr 1 and momentum ``lam``
+(its ``v`` is ``-m``); with ``lam = 0`` and ``beta = 0`` it is FedAvg.
+
+``weighting``: ``examples`` (paper: omega_i proportional to |D_i|, the same
+weights as Flower's FedAvg and FedAvgM) or ``uniform`` (the authors' code:
+unweighted mean over the sampled clients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from clients.fedacg import FedACGSolver
+from fedaccel.config import RunConfig, require
+from fedaccel.registry import AlgorithmSpec
+from strategies.base import FedAccelStrategy, Federation
+
+WEIGHTINGS = ("examples", "uniform")
+
+
+@dataclass(frozen=True)
+class FedACGParams:
+    """``fedacg.*``: ``lam`` (momentum / lookahead), ``beta`` (local pull), the
+    three Table 4 switches and the aggregation ``weighting``."""
+
+    lam: float = 0.85
+    beta: float = 0.01
+    server_momentum: bool = True
+    lookahead: bool = True
+    local_regularizer: bool = True
+    weighting: str = "examples"
+
+    def validate(self, prefix: str) -> None:
+        require(0 <= self.lam < 1, f"{prefix}.lam", self.lam, "must be in [0, 1)")
+        require(self.beta >= 0, f"{prefix}.beta", self.beta, "must be >= 0 (0 = no local pull)")
+        require(self.weighting in WEIGHTINGS, f"{prefix}.weighting", self.weighting,
+                f"allowed: {', '.join(WEIGHTINGS)}")
+        require(self.server_momentum or not self.lookahead, f"{prefix}.lookahead", self.lookahead,
+                f"needs {prefix}.server-momentum = true (the lookahead is theta + lam * m); "
+                f"set {prefix}.lookahead = false for the rows without server momentum")
+
+
+def mean_of_replies(replies: list[Message], weighting: str, weighted_by_key: str) -> ArrayRecord:
+    """Mean of the replies' ``arrays``: example-weighted (Flower's
+    ``aggregate_arrayrecords``) or unweighted, summed in reply order."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    contents = [m.content for m in replies]
+    if weighting == "examples":
+        return aggregate_arrayrecords(contents, weighted_by_key)
+    records = [next(iter(c.array_records.values())) for c in contents]  # one ArrayRecord each
+    out = {}
+    for name in records[0].keys():
+        total = np.array(records[0][name].numpy(), copy=True)
+        for rec in records[1:]:
+            total = total + rec[name].numpy()
+        out[name] = Array(np.asarray(total / len(records)))
+    return ArrayRecord(out)
+
+
+class FedACGStrategy(FedAccelStrategy, FedAvg):
+    """Lookahead broadcast and momentum server update (Algorithm 1)."""
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        super().__init__(run_cfg=run_cfg, federation=federation)
+        self.params = run_cfg.algo_params
+        self.theta: dict[str, np.ndarray] | None = None  # theta^{t-1}, the global model
+        self.momentum: dict[str, np.ndarray] | None = None  # m^{t-1}
+
+    def broadcast_arrays(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """``b = theta + lam * m`` (Algorithm 1: "Server sends theta^{t-1} + lam m^{t-1}")."""
+        self.theta = {k: np.asarray(a.numpy()) for k, a in arrays.items()}
+        if self.momentum is None:
+            self.momentum = {k: np.zeros_like(v) for k, v in self.theta.items()}
+        if not (self.params.lookahead and self.params.server_momentum):
+            return arrays
+        lam = self.params.lam
+        return ArrayRecord({k: Array(np.asarray(v + lam * self.momentum[k]).astype(v.dtype, copy=False))
+                            for k, v in self.theta.items()})
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        assert self.global_arrays is not None and self.theta is not None and self.momentum is not None
+        p = self.params
+        mean = mean_of_replies(replies, p.weighting, self.weighted_by_key)
+        metrics = aggregate_metricrecords([m.content for m in replies], self.weighted_by_key)
+        sent = {k: np.asarray(a.numpy()) for k, a in self.global_arrays.items()}
+        new: dict[str, Array] = {}
+        for k, b in sent.items():
+            avg = np.asarray(mean[k].numpy())
+            if not p.server_momentum:
+                new[k] = Array(avg)  # theta^t = theta^{t-1} + Delta^t, b = theta^{t-1}
+                continue
+            delta = avg - b  # Delta^t, measured from the broadcast model
+            m_new = p.lam * self.momentum[k] + delta  # m^t = lam m^{t-1} + Delta^t
+            self.momentum[k] = m_new
+            if p.lookahead:
+                new[k] = Array(avg)  # theta^{t-1} + m^t = b + Delta^t = the mean model
+            else:
+                new[k] = Array(np.asarray(self.theta[k] + m_new))  # theta^t = theta^{t-1} + m^t
+        return ArrayRecord(new), metrics
+
+
+def build(cfg: RunConfig, federation: Federation) -> FedACGStrategy:
+    return FedACGStrategy(run_cfg=cfg, federation=federation)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="fedacg", build_strategy=build, solver=FedACGSolver, params=FedACGParams,
+    summary="FedACG: lookahead server momentum, local pull to the broadcast model",
+)

@@ -1,0 +1,80 @@
+"""FedDyn (Acar et al. 2021, Algorithm 1): dynamic regularisation.
+
+Server state ``h`` (zero at the start). After round ``t`` with participants
+``P_t`` out of ``N`` clients and the sent model ``theta^{t-1}``:
+
+    h       <- h - alpha/N * sum_{k in P_t} (theta_k^t - theta^{t-1})
+    theta^t <- (1/|P_t|) sum_{k in P_t} theta_k^t - h / alpha
+
+(unweighted mean, as in the paper). Client: :mod:`clients.feddyn`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+
+from clients.feddyn import FedDynSolver
+from fedaccel.config import RunConfig, require
+from fedaccel.registry import AlgorithmSpec
+from strategies.base import FedAccelStrategy, Federation
+from strategies.server_steps import numpy_to_record, record_to_numpy, reply_metrics
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FedDynParams:
+    """``feddyn.alpha``: weight of the dynamic regulariser."""
+
+    alpha: float = 0.01
+
+    def validate(self, prefix: str) -> None:
+        require(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0")
+
+
+def h_update(h: T, delta_sum: T, alpha: float, num_clients: int) -> T:
+    """``h - alpha/N * sum_k (theta_k - theta)``."""
+    return h - alpha / num_clients * delta_sum  # type: ignore[operator]
+
+
+def server_model(mean: T, h: T, alpha: float) -> T:
+    """``mean_k theta_k - h / alpha``."""
+    return mean - h / alpha  # type: ignore[operator]
+
+
+class FedDynStrategy(FedAccelStrategy, FedAvg):
+    """FedDyn's server: keeps ``h`` (float64) across rounds."""
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        super().__init__(run_cfg=run_cfg, federation=federation)
+        self.alpha = float(run_cfg.algo_params.alpha)
+        self.h: dict[str, np.ndarray] | None = None
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        assert self.global_arrays is not None
+        theta = {k: v.astype(np.float64) for k, v in record_to_numpy(self.global_arrays).items()}
+        if self.h is None:
+            self.h = {k: np.zeros_like(v) for k, v in theta.items()}
+        models = [record_to_numpy(r.content["arrays"]) for r in replies]
+        new = {}
+        for k in theta:
+            local = [m[k].astype(np.float64) for m in models]
+            delta_sum = sum(x - theta[k] for x in local)
+            self.h[k] = h_update(self.h[k], delta_sum, self.alpha, self.federation.num_clients)
+            new[k] = server_model(sum(local) / len(local), self.h[k], self.alpha)
+        return numpy_to_record(new, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
+
+
+def build(cfg: RunConfig, federation: Federation) -> FedDynStrategy:
+    return FedDynStrategy(run_cfg=cfg, federation=federation)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="feddyn", build_strategy=build, solver=FedDynSolver, params=FedDynParams,
+    summary="FedDyn: dynamic regularisation (linear + proximal local terms, server h)",
+)

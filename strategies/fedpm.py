@@ -1,0 +1,71 @@
+"""FedPM (federated preconditioned mixing): second-order local steps, preconditioned mixing.
+
+Clients (:class:`clients.fedpm.FedPMSolver`) take FOOF-preconditioned local
+steps (or exact Newton steps on logistic regression with ``fedpm.mode='exact'``)
+and upload their layer preconditioners beside the weights (upper triangles,
+counted in bytes_up); the server mixes each layer as
+``W = (sum_i n_i W_i M_i)(sum_i n_i M_i)^-1`` with ``M_i = P_i + damping I``
+(:mod:`strategies.preconditioned_mixing`). See docs/fedpm.md.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver
+from fedaccel.config import RunConfig, config_error
+from fedaccel.registry import AlgorithmSpec
+from strategies.base import FedAccelStrategy, Federation
+from strategies.preconditioned_mixing import preconditioned_mix
+
+
+def check_exact_mode(cfg: RunConfig) -> None:
+    """The exact mode needs the logistic-regression model and a positive-definite Hessian."""
+    from fedaccel.runtime import model_name
+
+    params = cfg.algo_params
+    if params.mode != "exact":
+        return
+    prefix = cfg.algo
+    if model_name(cfg) != "logreg":
+        raise config_error(f"{prefix}.mode", "exact",
+                           f"needs model='logreg' (this run uses {model_name(cfg)!r}); use 'foof'")
+    if cfg.weight_decay <= 0 and params.damping <= 0:
+        raise config_error(f"{prefix}.damping", params.damping,
+                           "must be > 0 in the exact mode unless weight-decay > 0 (the softmax "
+                           "cross-entropy Hessian alone is singular)")
+
+
+class FedPMStrategy(FedAccelStrategy, FedAvg):
+    """Preconditioned mixing of the replies' layers; weighted mean of the rest."""
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        check_exact_mode(run_cfg)
+        super().__init__(run_cfg=run_cfg, federation=federation)
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        clients = []
+        for reply in replies:
+            content = reply.content
+            if PRECOND_KEY not in content.array_records:
+                raise ValueError(f"round {server_round}: a FedPM reply has no {PRECOND_KEY!r} record")
+            arrays = {k: a.numpy() for k, a in content["arrays"].items()}
+            packed = {k: a.numpy() for k, a in content[PRECOND_KEY].items()}
+            n = float(content["metrics"][self.weighted_by_key])
+            clients.append((arrays, packed, n))
+        mixed = preconditioned_mix(clients, float(self.run_cfg.algo_params.damping))
+        new = ArrayRecord({k: Array(v) for k, v in mixed.items()})
+        metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
+        return new, metrics
+
+
+def build(cfg: RunConfig, federation: Federation) -> FedPMStrategy:
+    return FedPMStrategy(run_cfg=cfg, federation=federation)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="fedpm", build_strategy=build, solver=FedPMSolver, params=FedPMParams,
+    summary="FedPM: FOOF/Newton local steps, preconditioned mixing (W A)(A)^-1 on the server",
+)
