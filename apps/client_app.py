@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import SimpleNamespace
 from functools import lru_cache
 from typing import Any
 
@@ -41,6 +42,12 @@ class ClientRuntime:
     state_mode: str  # where persistent client state lives: context or disk
 
 
+def node_data_path(context: Context) -> str:
+    """``data-path`` from the node config: a device's own .npz ('' = a partition
+    of the run's dataset, as in simulation and rehearsals)."""
+    return str(context.node_config.get("data-path", ""))
+
+
 def node_partition(context: Context) -> tuple[int, int]:
     """(partition-id, num-partitions) from the node config, validated."""
     nc = context.node_config
@@ -58,13 +65,21 @@ def _freeze(run_config: dict[str, Any]) -> tuple:
 
 
 @lru_cache(maxsize=4)
-def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> ClientRuntime:
+def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int,
+             data_path: str = "") -> ClientRuntime:
     from fedaccel.registry import get_algorithm
 
     cfg = parse_run_config(dict(frozen_config))
     device = select_device(cfg.device)
-    dataset = load_data(data_config_for(cfg, num_partitions))
-    part = dataset.client(partition_id)
+    if data_path:  # a real device with its own data file
+        from data.device_file import DATASET_SPECS, load_device_file
+
+        shape, classes, augment = DATASET_SPECS[cfg.dataset]
+        dataset = SimpleNamespace(input_shape=shape, num_classes=classes, augment=augment)
+        part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed)
+    else:
+        dataset = load_data(data_config_for(cfg, num_partitions))
+        part = dataset.client(partition_id)
     model = build_model_for(cfg, dataset).to(device)
     solver = get_algorithm(cfg.algo).solver(cfg)
     solver.initial_model = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
@@ -89,7 +104,7 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int) -> Cl
 
 def client_runtime(context: Context) -> ClientRuntime:
     pid, n = node_partition(context)
-    return _runtime(_freeze(dict(context.run_config)), pid, n)
+    return _runtime(_freeze(dict(context.run_config)), pid, n, node_data_path(context))
 
 
 def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:

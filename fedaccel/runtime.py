@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from data import DataConfig, FederatedDataset, load_federated
@@ -38,7 +40,7 @@ def model_name(cfg: RunConfig) -> str:
     return default_model(cfg.dataset) if cfg.model == "auto" else cfg.model
 
 
-def build_model_for(cfg: RunConfig, dataset: FederatedDataset) -> torch.nn.Module:
+def build_model_for(cfg: RunConfig, dataset: FederatedDataset | Any) -> torch.nn.Module:
     """The run's model, initialised from ``seed`` (same weights everywhere)."""
     torch.manual_seed(cfg.seed)
     return build_model(model_name(cfg), tuple(dataset.input_shape), dataset.num_classes)

@@ -132,3 +132,42 @@ def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch):
     monkeypatch.setattr(clients.base.LocalSolver, "run_epochs", broken)
     with pytest.raises(SystemExit, match="all 3 sampled clients failed.*disk on fire"):
         run_local(small_config(tmp_path), num_clients=6, quiet=True)
+
+
+def test_devices_with_their_own_data_files(tmp_path):
+    """node config data-path: each client trains on its own .npz (here
+    exported from the rehearsal partitions) and the run completes."""
+    from flwr.app import Context, RecordDict
+
+    from apps.client_app import app as client_app
+    from apps.server_app import app as server_app
+    from data import DataConfig
+    from data.device_file import export_partition
+    from fedaccel.local_grid import LocalGrid
+
+    cfg = small_config(tmp_path, **{"run-name": "files", "accl-every": 0})
+    data_cfg = DataConfig(dataset="synthetic", num_clients=4, synthetic_max_samples=120)
+    grid = LocalGrid(client_app, cfg, num_clients=4)
+    for ctx in grid.contexts.values():
+        pid = ctx.node_config["partition-id"]
+        ctx.node_config["data-path"] = str(export_partition(data_cfg, pid, tmp_path / f"d{pid}.npz"))
+    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+                             run_config=cfg))
+    from_files = read_metrics(tmp_path / "files")
+    assert len(from_files) == 4 and all(0 <= r["accg"] <= 1 for r in from_files)
+
+
+def test_bad_device_file_is_a_clear_client_error(tmp_path):
+    import numpy as np
+
+    from data import DataError
+    from data.device_file import load_device_file
+
+    np.savez(tmp_path / "bad.npz", x=np.zeros((5, 3), np.float32), y=np.zeros(5, np.int64))
+    with pytest.raises(DataError, match=r"x has shape \(5, 3\); dataset='synthetic' needs \(N, 60\)"):
+        load_device_file(str(tmp_path / "bad.npz"), "synthetic", 0.2, 0)
+    with pytest.raises(DataError, match="no such file"):
+        load_device_file(str(tmp_path / "missing.npz"), "synthetic", 0.2, 0)
+    np.savez(tmp_path / "labels.npz", x=np.zeros((5, 60), np.float32), y=np.full(5, 12))
+    with pytest.raises(DataError, match=r"labels in \[0, 10\)"):
+        load_device_file(str(tmp_path / "labels.npz"), "synthetic", 0.2, 0)
