@@ -122,7 +122,8 @@ def train(msg: Message, context: Context) -> Message:
     generator = seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
     state = open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
                               rt.partition_id, context.state)
-    result = rt.solver.fit(rt.model, rt.train, config, state, generator)
+    received = {k: v for k, v in msg.content.array_records.items() if k != "arrays"}
+    result = rt.solver.fit(rt.model, rt.train, config, state, generator, received)
     content = RecordDict({"arrays": result.arrays, "metrics": MetricRecord(result.metrics)})
     for key, record in result.extra.items():
         content[key] = record

@@ -69,6 +69,9 @@ class LocalSolver:
         # x0, the run's initial global model (seeded, so every client rebuilds
         # exactly the server's); set by the ClientApp before the first round.
         self.initial_model: OrderedDict[str, torch.Tensor] | None = None
+        # ArrayRecords the server sent beside the model this round (e.g.
+        # SCAFFOLD's control variate), set by fit() before begin_round.
+        self.received: dict[str, ArrayRecord] = {}
 
     # ----------------------------------------------------------------- hooks
     def begin_round(
@@ -145,8 +148,11 @@ class LocalSolver:
         config: dict[str, Any],
         state: ClientState,
         generator: torch.Generator,
+        received: dict[str, ArrayRecord] | None = None,
     ) -> LocalResult:
-        """One round of local training from the weights already in ``model``."""
+        """One round of local training from the weights already in ``model``;
+        ``received`` holds the message's ArrayRecords other than the model."""
+        self.received = dict(received or {})
         lr = float(config.get("lr", self.cfg.lr))
         epochs = int(config.get("local-epochs", self.cfg.local_epochs))
         self.begin_round(model, config, state)

@@ -1,9 +1,8 @@
 """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II control variates).
 
 Server state: the model ``x`` and the control variate ``c`` (zero at the
-start). Every training message carries ``c`` (see :mod:`clients.scaffold` for
-how, and why it is in the ConfigRecord; its bytes are added to
-``bytes_down``). After the round, with ``S`` the replying clients out of ``N``:
+start). Every training message carries ``c`` as the ArrayRecord
+``scaffold.c`` (counted in ``bytes_down``). After the round, with ``S`` the replying clients out of ``N``:
 
     x <- x + server_lr * (1/|S|) sum_{i in S} (y_i - x)      (line 17)
     c <- c + (|S|/N) (1/|S|) sum_{i in S} delta c_i           (line 17)
@@ -15,14 +14,13 @@ ArrayRecord ``scaffold.dc`` (counted in ``bytes_up``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, TypeVar
+from typing import TypeVar
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
-from clients.scaffold import CV_UPDATES, DC_RECORD, ScaffoldSolver, encode_control_variate
+from clients.scaffold import C_RECORD, CV_UPDATES, DC_RECORD, ScaffoldSolver, control_variate_record
 from fedaccel.config import RunConfig, require
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
@@ -62,18 +60,12 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
         self.server_lr = float(run_cfg.algo_params.server_lr)
         self.c: dict[str, np.ndarray] | None = None
 
-    def round_config(self, server_round: int) -> dict[str, Any]:
-        assert self.c is not None
-        return {**super().round_config(server_round), **encode_control_variate(self.c)}
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """The server control variate ``c`` (zero at the start), sent to every client."""
+        assert self.global_arrays is not None
         if self.c is None:
-            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(arrays).items()}
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        c_bytes = sum(v.nbytes for v in self.c.values())
-        self.rounds[server_round].bytes_down += c_bytes * len(messages)
-        return messages
+            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.global_arrays).items()}
+        return {C_RECORD: control_variate_record(self.c)}
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.global_arrays is not None and self.c is not None

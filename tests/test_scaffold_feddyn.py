@@ -1,0 +1,309 @@
+"""SCAFFOLD (Karimireddy et al. 2020, option II) and FedDyn (Acar et al. 2021).
+
+- corrections by hand through the real solvers (both go through momentum);
+- SCAFFOLD's c_i rule with local momentum: the mean trajectory gradient is
+  exact, option II's (x - y)/(K lr) overstates it ~1/(1-m) = 5x at m = 0.8;
+- server steps by hand; control variates counted in bytes_down / bytes_up;
+- heterogeneous least squares, full participation: both reach the global
+  minimizer where FedAvg with local steps stalls at a biased point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
+from clients.scaffold import (
+    C_RECORD, DC_RECORD, ScaffoldSolver, control_variate_record, option_ii_control_variate,
+    received_control_variate,
+)
+from clients.state import ContextState
+from fedaccel.config import parse_run_config
+from fedaccel.local_run import default_run_config, fuse
+from fedaccel.registry import get_algorithm
+from fedaccel.torch_utils import payload_bytes
+from strategies.base import Federation
+from strategies.feddyn import h_update, server_model
+from strategies.scaffold import control_step, model_step
+
+NODES = {0: 101, 1: 102, 2: 103}
+F64 = torch.float64
+
+
+def cfg(algo, momentum=0.0, wd=0.0, **params):
+    o = {"algo": algo, "momentum": momentum, "weight-decay": wd, "clients-per-round": 3}
+    o.update({f"{algo}.{k}": v for k, v in params.items()})
+    return parse_run_config(fuse(default_run_config(), o))
+
+
+def linear(weight, dtype=F64):
+    model = torch.nn.Linear(len(weight), 1, bias=False, dtype=dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([weight], dtype=dtype))
+    return model
+
+
+def c_config(solver, c, lr=0.1, r=1):
+    """The round's config; the server's c arrives as the ``scaffold.c`` record."""
+    solver.received = {C_RECORD: control_variate_record({"weight": np.asarray([c], dtype=np.float64)})}
+    return {"server-round": r, "lr": lr}
+
+
+def sgd_steps(solver, model, grads, lr):
+    opt = solver.make_optimizer(model, lr)
+    for g in grads:
+        opt.zero_grad()
+        model.weight.grad = torch.tensor([g], dtype=model.weight.dtype)
+        solver.transform_gradients(model)
+        opt.step()
+
+
+# --------------------------------------------------------------------------- #
+# SCAFFOLD client
+# --------------------------------------------------------------------------- #
+def test_control_variate_roundtrip():
+    model = linear([1.0, 2.0], dtype=torch.float32)
+    record = control_variate_record({"weight": np.array([[0.5, -1.5]], dtype=np.float32)})
+    assert received_control_variate({C_RECORD: record}, model)["weight"].tolist() == [[0.5, -1.5]]
+    with pytest.raises(KeyError, match="scaffold.c"):
+        received_control_variate({}, model)
+
+
+def test_scaffold_correction_through_momentum_and_dc_by_hand():
+    """c = [1, 0], c_i = [0, 2] (stored), lr 0.1, momentum 0.5, grads [1,1], [2,0]."""
+    solver = ScaffoldSolver(cfg("scaffold", momentum=0.5))
+    model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+    state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
+    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+    sgd_steps(solver, model, [[1.0, 1.0], [2.0, 0.0]], 0.1)
+    # corrected: [2,-1] then [3,-2]; buf [2,-1] then [4,-2.5]; w [-0.2,2.1] then [-0.6,2.35]
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], [-0.6, 2.35], atol=1e-14)
+    extra = solver.end_round(model, state)
+    # mean-gradient rule: c_i+ = mean([1,1],[2,0]) = [1.5, 0.5]; dc = [1.5, -1.5]
+    np.testing.assert_allclose(extra[DC_RECORD]["weight"].numpy()[0], [1.5, -1.5], atol=1e-14)
+    assert state.get("scaffold", torch.device("cpu"))["c.weight"].tolist() == [[1.5, 0.5]]
+
+
+def test_option_ii_equals_mean_gradient_without_momentum():
+    out = {}
+    for rule in ("mean-gradient", "option-ii"):
+        solver = ScaffoldSolver(cfg("scaffold", **{"cv-update": rule}))
+        model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+        state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
+        solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+        sgd_steps(solver, model, [[1.0, 1.0], [2.0, 0.0], [-1.0, 3.0]], 0.1)
+        out[rule] = solver.end_round(model, state)[DC_RECORD]["weight"].numpy()[0]
+    np.testing.assert_allclose(out["option-ii"], out["mean-gradient"], atol=1e-13)
+    np.testing.assert_allclose(option_ii_control_variate(0.0, 0.0, 1.0, 0.5, 5, 0.1), 1.0)
+
+
+def test_option_ii_overstates_control_variate_with_momentum():
+    """Constant gradient g=1, 50 local steps, momentum 0.8: option II gives ~5."""
+    got = {}
+    for rule in ("mean-gradient", "option-ii"):
+        solver = ScaffoldSolver(cfg("scaffold", momentum=0.8, **{"cv-update": rule}))
+        model, state = linear([0.0]), ContextState(RecordDict())
+        solver.begin_round(model, c_config(solver, [0.0], lr=0.01), state)
+        sgd_steps(solver, model, [[1.0]] * 50, 0.01)
+        got[rule] = float(solver.end_round(model, state)[DC_RECORD]["weight"].numpy()[0, 0])
+    assert got["mean-gradient"] == pytest.approx(1.0, abs=1e-14)
+    # (K - m (1 - m^K)/(1 - m)) / (K (1 - m)) = (50 - 4)/10 = 4.6
+    assert got["option-ii"] == pytest.approx(4.6, abs=1e-4)
+
+
+# --------------------------------------------------------------------------- #
+# servers and byte accounting
+# --------------------------------------------------------------------------- #
+@pytest.fixture(autouse=True)
+def server_identity(monkeypatch):
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+class StubGrid(Grid):
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        self._node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return list(self._node_ids)
+
+    def set_run(self, run):  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *a, **k):  # pragma: no cover
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
+        raise NotImplementedError
+
+
+def rec(v):
+    return ArrayRecord({"w": Array(np.asarray(v, dtype=np.float32))})
+
+
+def one_round(strategy, r, x, models, extra=None):
+    msgs = list(strategy.configure_train(r, rec(x), ConfigRecord(), StubGrid(NODES.values())))
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"r{r}m{i}"
+    by_node = {m.metadata.dst_node_id: m for m in msgs}
+    replies = []
+    for p in range(3):
+        content = {"arrays": rec(models[p]), "metrics": MetricRecord({"num-examples": 10 * (p + 1), "train-loss": 1.0})}
+        if extra:
+            content[DC_RECORD] = rec(extra[p])
+        replies.append(Message(RecordDict(content), reply_to=by_node[NODES[p]]))
+    arrays, _ = strategy.aggregate_train(r, replies)
+    return msgs, replies, arrays["w"].numpy()
+
+
+def test_scaffold_server_steps_and_bytes_by_hand():
+    nodes = {**NODES, 3: 104}  # N = 4 clients, 3 sampled
+    strategy = get_algorithm("scaffold").build_strategy(cfg("scaffold", **{"server-lr": 0.5}), Federation(nodes))
+    strategy.sample_cohort = lambda r: [0, 1, 2]
+    msgs, replies, x = one_round(strategy, 1, [1.0, 2.0], [[0.5, 1.0], [2.0, 4.0], [3.5, 1.0]],
+                                 extra=[[1.0, 0.0], [2.0, 4.0], [3.0, -4.0]])
+    # x + 0.5 * (mean - x) = [1,2] + 0.5 * ([2,2] - [1,2]) = [1.5, 2]
+    np.testing.assert_allclose(x, [1.5, 2.0], atol=1e-6)
+    np.testing.assert_allclose(strategy.c["w"], [6.0 / 4, 0.0], atol=1e-7)  # c += sum(dc)/N
+    assert all(m.content.array_records[C_RECORD]["w"].numpy().tolist() == [0.0, 0.0] for m in msgs)
+    model_bytes = payload_bytes(rec([1.0, 2.0]))
+    log = strategy.rounds[1]
+    c_bytes = payload_bytes(msgs[0].content.array_records[C_RECORD])
+    assert c_bytes > 2 * 4  # the float32 c with its .npy header
+    assert log.bytes_down == 3 * (model_bytes + c_bytes)  # model + c, per client
+    assert log.bytes_up == 3 * (model_bytes + payload_bytes(rec([1.0, 0.0])))  # y_i + dc_i
+    # round 2 sends the new c
+    msgs, _, _ = one_round(strategy, 2, x, [[0.0, 0.0]] * 3, extra=[[0.0, 0.0]] * 3)
+    assert msgs[0].content.array_records[C_RECORD]["w"].numpy().tolist() == [1.5, 0.0]
+
+
+def test_pure_server_rules():
+    assert model_step(1.0, 2.0, 0.5) == 2.0 and control_step(1.0, 6.0, 4) == 2.5
+    assert h_update(1.0, 3.0, 0.5, 3) == 0.5 and server_model(2.0, 0.5, 0.25) == 0.0
+
+
+def test_feddyn_server_by_hand():
+    strategy = get_algorithm("feddyn").build_strategy(cfg("feddyn", alpha=0.5), Federation(dict(NODES)))
+    _, _, x = one_round(strategy, 1, [1.0, 2.0], [[0.5, 1.0], [2.0, 4.0], [3.5, 1.0]])
+    # sum(theta_k - x) = [3, 0]; h = -0.5/3 [3, 0] = [-0.5, 0]; theta = [2,2] - h/0.5 = [3, 2]
+    np.testing.assert_allclose(strategy.h["w"], [-0.5, 0.0], atol=1e-12)
+    np.testing.assert_allclose(x, [3.0, 2.0], atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# FedDyn client
+# --------------------------------------------------------------------------- #
+def test_feddyn_gradient_through_momentum_and_state_by_hand():
+    """alpha 0.5, grad_prev [1, -1], server [0, 2], lr 0.1, momentum 0.5."""
+    solver = FedDynSolver(cfg("feddyn", momentum=0.5, alpha=0.5))
+    model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+    state.put("feddyn", {"grad_prev.weight": torch.tensor([[1.0, -1.0]], dtype=F64)})
+    solver.begin_round(model, {"server-round": 2}, state)
+    sgd_steps(solver, model, [[1.0, 1.0], [2.0, 0.0]], 0.1)
+    # step 1: d = [1,1] - [1,-1] + 0 = [0, 2]; buf [0,2]; w = [0, 1.8]
+    # step 2: d = [2,0] - [1,-1] + 0.5 [0,-0.2] = [1, 0.9]; buf = [1, 1.9]; w = [-0.1, 1.61]
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], [-0.1, 1.61], atol=1e-14)
+    solver.end_round(model, state)
+    # grad_prev - 0.5 (w - server) = [1,-1] - 0.5 [-0.1, -0.39] = [1.05, -0.805]
+    got = state.get("feddyn", torch.device("cpu"))["grad_prev.weight"].numpy()[0]
+    np.testing.assert_allclose(got, [1.05, -0.805], atol=1e-14)
+    np.testing.assert_allclose(dynamic_gradient(np.array([1.0]), np.array([0.0]), np.array([2.0]), 0.5), [-1.5])
+    np.testing.assert_allclose(grad_prev_update(1.0, 3.0, 1.0, 0.5), 0.0)
+
+
+# --------------------------------------------------------------------------- #
+# heterogeneous least squares, full participation, real solvers
+# --------------------------------------------------------------------------- #
+N, D, M = 10, 5, 20
+
+
+@pytest.fixture(scope="module")
+def lsq():
+    rng = np.random.default_rng(0)
+    A = [rng.standard_normal((M, D)) for _ in range(N)]
+    w = [3 * rng.standard_normal(D) for _ in range(N)]
+    H = [a.T @ a / M for a in A]
+    c = [a.T @ (a @ wi) / M for a, wi in zip(A, w)]
+    return H, c, np.linalg.solve(sum(H), sum(c))
+
+
+def run(lsq, algo, rounds, momentum=0.0, lr=0.05, steps=5, **params):
+    """The real solver with client i's least-squares gradient in p.grad; the
+    server steps of the strategy module (pure rules), full participation."""
+    H, c, z_star = lsq
+    conf = cfg(algo, momentum=momentum, **params) if algo != "fedavg" else cfg("fedavg", momentum=momentum)
+    solver = get_algorithm(algo).solver(conf)
+    states = [ContextState(RecordDict()) for _ in range(N)]
+    model = torch.nn.Linear(D, 1, bias=False, dtype=F64)
+    x, cv, h = np.zeros(D), np.zeros(D), np.zeros(D)
+    for r in range(1, rounds + 1):
+        ys, dcs = [], []
+        for i in range(N):
+            with torch.no_grad():
+                model.weight.copy_(torch.tensor(x[None]))
+            config = {"server-round": r, "lr": lr}
+            solver.received = {C_RECORD: control_variate_record({"weight": cv[None]})}
+            solver.begin_round(model, config, states[i])
+            opt = solver.make_optimizer(model, lr)
+            for _ in range(steps):
+                z = model.weight.detach().numpy()[0]
+                model.weight.grad = torch.tensor((H[i] @ z - c[i])[None])
+                solver.transform_gradients(model)
+                opt.step()
+            extra = solver.end_round(model, states[i])
+            ys.append(model.weight.detach().numpy()[0].copy())
+            if DC_RECORD in extra:
+                dcs.append(extra[DC_RECORD]["weight"].numpy()[0])
+        mean = np.mean(ys, axis=0)
+        if algo == "scaffold":
+            x, cv = model_step(x, mean - x, 1.0), control_step(cv, sum(dcs), N)
+        elif algo == "feddyn":
+            alpha = conf.algo_params.alpha
+            h = h_update(h, sum(y - x for y in ys), alpha, N)
+            x = server_model(mean, h, alpha)
+        else:
+            x = mean
+    return np.linalg.norm(x - z_star)
+
+
+@pytest.fixture(scope="module")
+def fedavg_error(lsq):
+    return run(lsq, "fedavg", 80)
+
+
+def test_fedavg_stalls_at_biased_point(lsq, fedavg_error):
+    assert fedavg_error > 0.1
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_scaffold_reaches_global_minimizer(lsq, fedavg_error, momentum):
+    assert run(lsq, "scaffold", 100, momentum=momentum) < 1e-7 < 1e-5 * fedavg_error
+
+
+def test_scaffold_option_ii_with_momentum_diverges(lsq, fedavg_error):
+    """The notes' pitfall, reproduced: option II's c_i with momentum 0.8 blows up."""
+    early = run(lsq, "scaffold", 30, momentum=0.8, **{"cv-update": "option-ii"})
+    late = run(lsq, "scaffold", 60, momentum=0.8, **{"cv-update": "option-ii"})
+    assert late > 10 * early > 10 * fedavg_error
+
+
+def test_feddyn_reaches_global_minimizer(lsq, fedavg_error):
+    assert run(lsq, "feddyn", 80, alpha=1.0) < 1e-6 < 1e-4 * fedavg_error
