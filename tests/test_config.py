@@ -298,8 +298,9 @@ def test_params_defaults_match_pyproject(defaults, algo):
 
 
 def test_every_pyproject_table_belongs_to_an_algorithm_or_synthetic(defaults):
+    # "gc": the shared gradient-centralization keys (fedaccel.config.GCConfig)
     prefixes = {k.split(".", 1)[0] for k in defaults if "." in k}
-    known = {get_algorithm(a).prefix for a in algorithm_names()} | {"synthetic"}
+    known = {get_algorithm(a).prefix for a in algorithm_names()} | {"synthetic", "gc"}
     assert prefixes <= known
 
 

@@ -1,0 +1,290 @@
+"""Gradient centralization (GC-Fed): the pure functions on hand-computed
+tensors, the lambda split on a known model, the config keys, and GC composed
+with another algorithm (FedProx) through fedaccel.composition."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from clients.base import TrainData
+from clients.fedprox import FedProxSolver
+from clients.gradient_centralization import (
+    centralize, gc_partition, global_gc_update, in_layers, local_gc_split,
+)
+from fedaccel.composition import client_gradient_transforms, server_update_transforms
+from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.local_run import default_run_config
+from fedaccel.registry import get_algorithm
+from models import build_model
+from strategies.base import Federation
+
+NODES = {0: 101, 1: 102, 2: 103}
+MLP_NAMES = ["fc1.weight", "fc1.bias", "fc.weight", "fc.bias"]
+
+
+@pytest.fixture(autouse=True)
+def server_identity(monkeypatch):
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+class StubGrid(Grid):
+    def __init__(self, node_ids: Iterable[int]) -> None:
+        self._node_ids = list(node_ids)
+
+    def get_node_ids(self):
+        return list(self._node_ids)
+
+    def set_run(self, run):  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *a, **k):  # pragma: no cover
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
+        raise NotImplementedError
+
+
+def run_cfg(algo: str, **changes):
+    cfg = default_run_config()
+    cfg.update({"algo": algo, "clients-per-round": 3, "momentum": 0.0, "weight-decay": 0.0})
+    cfg.update(changes)
+    return parse_run_config(cfg)
+
+
+# --------------------------------------------------------------------------- #
+# centralize
+# --------------------------------------------------------------------------- #
+def test_centralize_by_hand():
+    g = torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, 7.0]])
+    torch.testing.assert_close(centralize(g), torch.tensor([[-1.0, 0.0, 1.0], [-1.0, -1.0, 2.0]]))
+    assert torch.equal(g, torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, 7.0]]))  # input untouched
+
+
+def test_centralize_conv_zero_mean_per_output_channel_and_idempotent():
+    g = torch.randn(5, 3, 2, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    c = centralize(g)
+    torch.testing.assert_close(c.mean(dim=(1, 2, 3)), torch.zeros(5, dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(centralize(c), c, rtol=0, atol=1e-15)
+    # P is a projection: the removed part is constant over each output row
+    removed = g - c
+    torch.testing.assert_close(removed, removed[:, :1, :1, :1].expand_as(removed))
+
+
+def test_centralize_vectors():
+    b = torch.tensor([1.0, 2.0, 6.0])
+    torch.testing.assert_close(centralize(b), b)  # default: 1-D tensors unchanged
+    torch.testing.assert_close(centralize(b, vectors="mean"), torch.tensor([-2.0, -1.0, 3.0]))
+    torch.testing.assert_close(centralize(torch.tensor(3.0)), torch.tensor(3.0))
+
+
+# --------------------------------------------------------------------------- #
+# lambda split
+# --------------------------------------------------------------------------- #
+def test_split_on_the_mlp():
+    model = build_model("mlp", (60,), 10)
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == MLP_NAMES
+    assert local_gc_split(named, 0.5) == (MLP_NAMES[:2], MLP_NAMES[2:])
+    assert local_gc_split(named, 0.9) == (MLP_NAMES[:3], MLP_NAMES[3:])  # floor(3.6) = 3
+    assert local_gc_split(named, 1.0) == (MLP_NAMES, [])
+    assert local_gc_split(named, 0.0) == ([], MLP_NAMES)
+    # the classifier named explicitly goes global whatever lambda says
+    assert local_gc_split(named, 1.0, "fc") == (MLP_NAMES[:2], MLP_NAMES[2:])
+    assert local_gc_split(named, 0.25, "fc") == (MLP_NAMES[:1], MLP_NAMES[1:])
+
+
+def test_split_floor_tolerance_and_layer_matching():
+    names = [f"t{i}" for i in range(100)]
+    assert len(local_gc_split(names, 0.29)[0]) == 29  # 0.29 * 100 = 28.999999999999996
+    assert in_layers("fc.weight", ["fc"]) and not in_layers("fc1.weight", ["fc"])
+    assert in_layers("layer4.1.conv2.weight", ["layer4"])
+
+
+def test_partition_modes():
+    assert gc_partition("none", MLP_NAMES) == ([], [])
+    assert gc_partition("local", MLP_NAMES, 0.0, "fc") == (MLP_NAMES, [])  # LocalGC: lambda 1
+    assert gc_partition("global", MLP_NAMES, 1.0, "fc") == ([], MLP_NAMES)  # GlobalGC: lambda 0
+    assert gc_partition("hybrid", MLP_NAMES, 1.0, "fc") == (MLP_NAMES[:2], MLP_NAMES[2:])
+
+
+# --------------------------------------------------------------------------- #
+# config
+# --------------------------------------------------------------------------- #
+def test_gc_defaults_per_algorithm():
+    assert run_cfg("fedavg").gc.mode == "none"
+    assert run_cfg("fedprox").gc.mode == "none"
+    gc = run_cfg("gcfed").gc
+    assert (gc.mode, gc.lam, gc.global_layers) == ("hybrid", 1.0, "fc")
+    assert run_cfg("gcfed", **{"gc.mode": "local"}).gc.mode == "local"
+    assert run_cfg("fedprox", **{"gc.mode": "hybrid"}).gc.mode == "hybrid"
+    assert run_cfg("gcfed").algo_params.weighting == "uniform"
+
+
+@pytest.mark.parametrize("key,value", [("gc.mode", "both"), ("gc.lambda", 1.5), ("gc.lambda", "0.5"),
+                                       ("gc.global-layers", 3), ("gcfed.weighting", "x")])
+def test_gc_bad_values(key, value):
+    with pytest.raises(ConfigError) as info:
+        run_cfg("gcfed", **{key: value})
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_composition_lists():
+    model = build_model("mlp", (6,), 3)
+    assert client_gradient_transforms(run_cfg("fedprox"), model) == []
+    assert server_update_transforms(run_cfg("fedprox")) == []
+    assert len(client_gradient_transforms(run_cfg("fedprox", **{"gc.mode": "local"}), model)) == 1
+    assert server_update_transforms(run_cfg("fedprox", **{"gc.mode": "local"})) == []
+    assert client_gradient_transforms(run_cfg("fedprox", **{"gc.mode": "global"}), model) == []
+    assert len(server_update_transforms(run_cfg("fedprox", **{"gc.mode": "global"}))) == 1
+
+
+# --------------------------------------------------------------------------- #
+# GC composed with FedProx: client side
+# --------------------------------------------------------------------------- #
+def fedprox_one_step(**gc):
+    """One full-batch SGD step of the real FedProx solver on a tiny MLP."""
+    cfg = run_cfg("fedprox", **{"fedprox.mu": 0.5, "batch-size": 8, "local-epochs": 1, "lr": 0.1, **gc})
+    torch.manual_seed(0)
+    model = build_model("mlp", (6,), 3)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    data = TrainData(x=torch.randn(8, 6, generator=gen), y=torch.randint(0, 3, (8,), generator=gen))
+    result = FedProxSolver(cfg).fit(model, data, {"proximal-mu": 0.5}, RecordDict(),
+                                    torch.Generator().manual_seed(2))
+    return {k: torch.from_numpy(result.arrays[k].numpy()) - before[k] for k in before}
+
+
+def test_local_gc_with_fedprox_changes_only_local_tensors():
+    plain = fedprox_one_step()
+    hybrid = fedprox_one_step(**{"gc.mode": "hybrid", "gc.lambda": 0.5, "gc.global-layers": ""})
+    # fc1.* local: the weight's update is the centralized gradient step (one step:
+    # update = -lr * grad, and P is linear); the 1-D bias is left as it is
+    torch.testing.assert_close(hybrid["fc1.weight"], centralize(plain["fc1.weight"]), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(hybrid["fc1.weight"], plain["fc1.weight"])
+    rows = hybrid["fc1.weight"].shape[0]
+    torch.testing.assert_close(hybrid["fc1.weight"].mean(dim=1), torch.zeros(rows), rtol=0, atol=1e-7)
+    for name in ("fc1.bias", "fc.weight", "fc.bias"):  # outside the local set: identical
+        assert torch.equal(hybrid[name], plain[name]), name
+    local = fedprox_one_step(**{"gc.mode": "local"})  # LocalGC: every tensor
+    torch.testing.assert_close(local["fc.weight"], centralize(plain["fc.weight"]), rtol=1e-5, atol=1e-7)
+    assert torch.equal(local["fc.bias"], plain["fc.bias"])
+
+
+def test_local_gc_runs_after_the_proximal_term():
+    """The composed transform centralizes g + mu (w - w0), FedProx's full gradient."""
+    cfg = run_cfg("fedprox", **{"gc.mode": "local"})
+    solver = FedProxSolver(cfg)
+    model = torch.nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    solver.begin_round(model, {"proximal-mu": 0.5}, RecordDict())
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[2.0, 0.0, 4.0], [0.0, 0.0, 6.0]]))
+    model.weight.grad = torch.tensor([[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]])
+    solver.transform_gradients(model)  # g + 0.5 w = [[2, 1, 3], [0, 3, 3]]
+    for transform in client_gradient_transforms(cfg, model):
+        transform(model)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[0.0, -1.0, 1.0], [-2.0, 1.0, 1.0]]))
+
+
+# --------------------------------------------------------------------------- #
+# GC composed with FedProx: server side
+# --------------------------------------------------------------------------- #
+def one_round(strategy, x: ArrayRecord, client_models, counts):
+    msgs = list(strategy.configure_train(1, x, ConfigRecord(), StubGrid(NODES.values())))
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+    by_node = {m.metadata.dst_node_id: m for m in msgs}
+    replies = [Message(RecordDict({"arrays": cm, "metrics": MetricRecord({"num-examples": n, "train-loss": 1.0})}),
+                       reply_to=by_node[NODES[pid]])
+               for pid, (cm, n) in enumerate(zip(client_models, counts))]
+    out, _ = strategy.aggregate_train(1, replies)
+    return {k: a.numpy() for k, a in out.items()}
+
+
+def rec(**named) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in named.items()})
+
+
+X0 = dict(fc1__weight=[[0.0, 0.0], [1.0, 1.0]], fc1__bias=[0.0, 0.0],
+          fc__weight=[[0.0, 0.0, 0.0]], fc__bias=[1.0])
+CLIENTS = [  # weights (1, 1, 2)
+    dict(fc1__weight=[[1.0, 3.0], [1.0, 1.0]], fc1__bias=[1.0, 2.0], fc__weight=[[3.0, 0.0, 0.0]], fc__bias=[2.0]),
+    dict(fc1__weight=[[1.0, 3.0], [3.0, 1.0]], fc1__bias=[1.0, 0.0], fc__weight=[[0.0, 3.0, 0.0]], fc__bias=[0.0]),
+    dict(fc1__weight=[[2.0, 0.0], [1.0, 2.0]], fc1__bias=[0.0, 2.0], fc__weight=[[0.0, 0.0, 6.0]], fc__bias=[3.0]),
+]
+
+
+def named(d):
+    return {k.replace("__", "."): v for k, v in d.items()}
+
+
+def test_global_gc_with_fedprox_changes_only_global_tensors():
+    """Weighted mean (1, 1, 2)/4: fc1.weight [[1.5, 1.5], [1.5, 1.5]], fc1.bias [0.5, 1.5],
+    fc.weight [[0.75, 0.75, 3]], fc.bias [2]. Global GC on fc.*: the update
+    fc.weight - 0 = [[0.75, 0.75, 3]] has row mean 1.5 -> [[-0.75, -0.75, 1.5]];
+    fc.bias (1-D) keeps its update."""
+    counts = [1, 1, 2]
+    plain = one_round(get_algorithm("fedprox").build_strategy(run_cfg("fedprox"), Federation(dict(NODES))),
+                      rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], counts)
+    cfg = run_cfg("fedprox", **{"gc.mode": "hybrid"})  # lambda 1, global-layers 'fc'
+    gc = one_round(get_algorithm("fedprox").build_strategy(cfg, Federation(dict(NODES))),
+                   rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], counts)
+    np.testing.assert_allclose(plain["fc.weight"], [[0.75, 0.75, 3.0]])
+    np.testing.assert_allclose(gc["fc.weight"], [[-0.75, -0.75, 1.5]], rtol=1e-15)
+    for name in ("fc1.weight", "fc1.bias", "fc.bias"):
+        np.testing.assert_array_equal(gc[name], plain[name])
+    np.testing.assert_allclose(plain["fc1.weight"], [[1.5, 1.5], [1.5, 1.5]])
+
+
+def test_global_gc_update_is_old_plus_centralized_delta():
+    old = rec(w=[[1.0, 2.0], [0.0, 0.0]], b=[0.0])
+    new = rec(w=[[2.0, 5.0], [1.0, 1.0]], b=[3.0])
+    out = global_gc_update(old, new, ["w", "b"])
+    np.testing.assert_allclose(out["w"].numpy(), [[0.0, 3.0], [0.0, 0.0]])  # delta [[1,3],[1,1]]
+    np.testing.assert_array_equal(out["b"].numpy(), [3.0])
+    assert list(out.keys()) == ["w", "b"]
+
+
+# --------------------------------------------------------------------------- #
+# gcfed aggregation
+# --------------------------------------------------------------------------- #
+def test_gcfed_examples_weighting_is_fedavg_plus_hybrid_exactly():
+    counts = [1, 1, 2]
+    a = one_round(get_algorithm("gcfed").build_strategy(run_cfg("gcfed", **{"gcfed.weighting": "examples"}),
+                                                        Federation(dict(NODES))),
+                  rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], counts)
+    b = one_round(get_algorithm("fedavg").build_strategy(run_cfg("fedavg", **{"gc.mode": "hybrid"}),
+                                                         Federation(dict(NODES))),
+                  rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], counts)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_gcfed_default_is_unweighted_mean_then_global_gc():
+    """Algorithm 1 line 13: 1/|K| sum. fc.weight mean [[1, 1, 2]] -> centralized
+    update [[-1/3, -1/3, 2/3]]; fc1.* (local tensors) are the plain mean."""
+    out = one_round(get_algorithm("gcfed").build_strategy(run_cfg("gcfed"), Federation(dict(NODES))),
+                    rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], [1, 1, 2])
+    np.testing.assert_allclose(out["fc.weight"], [[-1 / 3, -1 / 3, 2 / 3]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc1.weight"], [[4 / 3, 2.0], [5 / 3, 4 / 3]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc.bias"], [5 / 3], rtol=1e-14)
