@@ -1,0 +1,239 @@
+"""Local solver of FedPM and LocalNewton (second-order local steps).
+
+Two modes (``<algo>.mode``):
+
+``foof`` (default; any model)
+    Every ``nn.Linear`` / ``nn.Conv2d`` layer is preconditioned with its FOOF
+    matrix ``A`` (:mod:`clients.foof`): ``W~ <- W~ - lr * G~ (A + damping I)^-1``
+    with ``W~ = [W | b]``. Implemented as a gradient transform: weight decay
+    is first added to ``p.grad`` (``G~ = grad + wd * W~``, so the step
+    preconditions the gradient of the regularised loss), then each layer's
+    gradient matrix is replaced by ``G~ (A + damping I)^-1`` (Cholesky solve),
+    then plain SGD (the run's momentum, *no* optimizer weight decay) steps.
+    Other parameters (GroupNorm) get the plain regularised gradient.
+    ``A`` is computed at the received model on ``foof-samples`` local samples
+    (0 = all; a seeded random subset otherwise, the same subset all round) and
+    recomputed at the current weights every ``refresh-every`` local steps
+    (0 = never: one preconditioner per round).
+
+``exact`` (``model='logreg'`` only)
+    Full-batch Newton on the client's L2-regularised multinomial
+    cross-entropy ``f_i(theta) = mean CE + wd/2 ||theta||^2`` over *all*
+    parameters ``theta = vec([W | b])`` (``K (d + 1)`` values): each local
+    epoch is one step ``theta <- theta - lr (H + damping I)^-1 g`` with the
+    exact gradient and Hessian (computed in float64). ``H`` is computed at
+    the received model and refreshed every ``refresh-every`` steps
+    (0 = never). ``batch-size`` and ``momentum`` are not used. With
+    ``weight-decay > 0``, ``damping = 0``, one local epoch and ``lr = 1``,
+    FedPM's preconditioned mixing makes the round exactly one global Newton
+    step (FedNL without compression).
+
+What is uploaded (FedPM only; LocalNewton sends weights alone): the
+*undamped* matrix of every preconditioned layer (``A``, or ``H`` for the
+exact mode), upper triangle only, in the model's dtype, as the ArrayRecord
+:data:`PRECOND_KEY` (``{layer name: packed values}``); the server adds the
+damping. ``fedpm.upload`` picks which matrix: ``used`` = the last
+preconditioner the client used for its local steps, ``end`` = FOOF/Hessian
+recomputed at the final local weights (the paper's FOOF practice), ``auto``
+= ``used`` in the exact mode (required for the global-Newton identity) and
+``end`` in the FOOF mode.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord
+
+from clients import foof
+from clients.base import LocalResult, LocalSolver, TrainData
+from clients.state import ClientState
+from fedaccel.config import require
+
+PRECOND_KEY = "fedpm.precond"
+MODES = ("foof", "exact")
+UPLOADS = ("auto", "used", "end")
+
+
+@dataclass(frozen=True)
+class SecondOrderParams:
+    """LocalNewton's keys (FedPM adds ``upload``)."""
+
+    damping: float = 1.0
+    foof_samples: int = 0
+    refresh_every: int = 0
+    mode: str = "foof"
+
+    def validate(self, prefix: str) -> None:
+        require(self.damping >= 0, f"{prefix}.damping", self.damping, "must be >= 0")
+        require(isinstance(self.foof_samples, int) and self.foof_samples >= 0,
+                f"{prefix}.foof-samples", self.foof_samples, "must be an integer >= 0 (0 = all)")
+        require(isinstance(self.refresh_every, int) and self.refresh_every >= 0,
+                f"{prefix}.refresh-every", self.refresh_every,
+                "must be an integer >= 0 (0 = once per round)")
+        require(self.mode in MODES, f"{prefix}.mode", self.mode, f"allowed: {', '.join(MODES)}")
+
+
+@dataclass(frozen=True)
+class FedPMParams(SecondOrderParams):
+    """``damping``, ``foof-samples``, ``refresh-every``, ``mode``, ``upload``."""
+
+    upload: str = "auto"
+
+    def validate(self, prefix: str) -> None:
+        super().validate(prefix)
+        require(self.upload in UPLOADS, f"{prefix}.upload", self.upload,
+                f"allowed: {', '.join(UPLOADS)}")
+
+
+# ------------------------------------------------------- exact logistic regression
+def logreg_parts(model: torch.nn.Module) -> torch.nn.Linear:
+    """The ``fc`` layer of a LogReg model; refuses models with other parameters."""
+    fc = getattr(model, "fc", None)
+    names = {name for name, _ in model.named_parameters()}
+    if not isinstance(fc, torch.nn.Linear) or not names <= {"fc.weight", "fc.bias"}:
+        raise ValueError("mode='exact' needs model='logreg' (one Linear layer named fc)")
+    return fc
+
+
+def with_bias_column(x: torch.Tensor, bias: bool) -> torch.Tensor:
+    rows = x.reshape(x.shape[0], -1).to(torch.float64)
+    return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1) if bias else rows
+
+
+def logreg_loss_grad(theta: torch.Tensor, xt: torch.Tensor, y: torch.Tensor,
+                     wd: float) -> tuple[float, torch.Tensor]:
+    """Loss and gradient (shape of ``theta = [W | b]``, (K, c)) of mean CE + wd/2 ||theta||^2."""
+    logits = xt @ theta.T
+    loss = F.cross_entropy(logits, y) + 0.5 * wd * theta.pow(2).sum()
+    r = torch.softmax(logits, dim=1)
+    r[torch.arange(y.shape[0]), y] -= 1.0
+    return float(loss), r.T @ xt / xt.shape[0] + wd * theta
+
+
+def logreg_hessian(theta: torch.Tensor, xt: torch.Tensor, wd: float,
+                   chunk: int = 512) -> torch.Tensor:
+    """Hessian of mean CE + wd/2 ||theta||^2 w.r.t. ``vec(theta)`` (row-major), float64.
+
+    ``H = mean_n (diag(p_n) - p_n p_n^T) kron (x_n x_n^T) + wd I``.
+    """
+    k, c = theta.shape
+    h = xt.new_zeros(k, c, k, c)
+    for start in range(0, xt.shape[0], chunk):
+        xb = xt[start:start + chunk]
+        p = torch.softmax(xb @ theta.T, dim=1)
+        s = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]  # (n, K, K)
+        h += torch.einsum("nkl,ni,nj->kilj", s, xb, xb)
+    h = h.reshape(k * c, k * c) / xt.shape[0]
+    return h + wd * torch.eye(k * c, dtype=h.dtype, device=h.device)
+
+
+class FedPMSolver(LocalSolver):
+    """Second-order local steps; uploads the preconditioners (FedPM)."""
+
+    uploads_preconditioners = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.damping = float(self.params.damping)
+        self.refresh_every = int(self.params.refresh_every)
+        self.mode = self.params.mode
+        upload = getattr(self.params, "upload", "auto")
+        self.upload_which = ("used" if self.mode == "exact" else "end") if upload == "auto" else upload
+
+    # --------------------------------------------------------- shared
+    def _foof_inputs(self, data: TrainData, generator: torch.Generator) -> torch.Tensor:
+        k = int(self.params.foof_samples)
+        if k == 0 or k >= data.num_examples:
+            return data.x
+        idx = torch.randperm(data.num_examples, generator=generator)[:k].to(data.x.device)
+        return data.x[idx]
+
+    def fit(self, model: torch.nn.Module, data: TrainData, config: dict[str, Any],
+            state: ClientState, generator: torch.Generator,
+            received: dict[str, ArrayRecord] | None = None) -> LocalResult:
+        if self.mode == "exact":
+            self.received = dict(received or {})
+            return self._fit_exact(model, data, config)
+        self._x_foof = self._foof_inputs(data, generator)
+        return super().fit(model, data, config, state, generator, received)
+
+    def _precond_record(self, matrices: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, ArrayRecord]:
+        if not self.uploads_preconditioners:
+            return {}
+        packed = OrderedDict((name, foof.pack_upper(m).to(dtype).cpu()) for name, m in matrices.items())
+        return {PRECOND_KEY: ArrayRecord(packed)}
+
+    # ----------------------------------------------------------- FOOF
+    def _refresh(self, model: torch.nn.Module) -> None:
+        self.used = foof.compute_foof(model, self._x_foof)
+        self.factors = {name: foof.damped_cholesky(a, self.damping) for name, a in self.used.items()}
+
+    def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState) -> None:
+        self.layers = OrderedDict(foof.foof_layers(model))
+        self.step = 0
+        self._refresh(model)
+
+    def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        # Weight decay is added to p.grad *before* preconditioning (transform_gradients).
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=self.cfg.momentum, weight_decay=0.0)
+
+    def transform_gradients(self, model: torch.nn.Module) -> None:
+        if self.refresh_every and self.step and self.step % self.refresh_every == 0:
+            self._refresh(model)
+        self.step += 1
+        wd = self.cfg.weight_decay
+        if wd:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.add_(p.detach(), alpha=wd)
+        for name, module in self.layers.items():
+            if module.weight.grad is None:
+                continue
+            g = foof.weight_matrix(module, grad=True)
+            foof.write_matrix(module, foof.right_solve(g, self.factors[name]), grad=True)
+
+    def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
+        if not self.uploads_preconditioners:
+            return {}
+        matrices = self.used if self.upload_which == "used" else foof.compute_foof(model, self._x_foof)
+        dtype = next(model.parameters()).dtype
+        self._x_foof = None
+        return self._precond_record(matrices, dtype)
+
+    # ---------------------------------------------------------- exact
+    def _fit_exact(self, model: torch.nn.Module, data: TrainData, config: dict[str, Any]) -> LocalResult:
+        fc = logreg_parts(model)
+        lr = float(config.get("lr", self.cfg.lr))
+        steps = int(config.get("local-epochs", self.cfg.local_epochs))
+        wd = self.cfg.weight_decay
+        xt = with_bias_column(data.x, fc.bias is not None)
+        y = data.y.to(xt.device)
+        theta = foof.weight_matrix(fc).to(torch.float64)
+        first_loss = None
+        for step in range(steps):
+            if step == 0 or (self.refresh_every and step % self.refresh_every == 0):
+                hessian = logreg_hessian(theta, xt, wd)
+                factor = foof.damped_cholesky(hessian, self.damping)
+            loss, grad = logreg_loss_grad(theta, xt, y, wd)
+            first_loss = loss if first_loss is None else first_loss
+            newton = torch.cholesky_solve(grad.reshape(-1, 1), factor).reshape(theta.shape)
+            theta = theta - lr * newton
+        with torch.no_grad():
+            foof.write_matrix(fc, theta)
+        if self.upload_which == "end":
+            hessian = logreg_hessian(theta, xt, wd)
+        extra = self._precond_record({"fc": hessian}, fc.weight.dtype)
+        metrics: dict[str, float | int] = {"train-loss": float(first_loss), "local-steps": steps,
+                                           "num-examples": data.num_examples}
+        return LocalResult(arrays=self.upload(model, None), metrics=metrics, extra=extra)
+
+
+class LocalNewtonSolver(FedPMSolver):
+    """The same local steps; uploads weights only (plain mixing on the server)."""
+
+    uploads_preconditioners = False
