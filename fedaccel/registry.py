@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from flwr.serverapp.strategy import Strategy
 
     from clients.base import LocalSolver
-    from fedaccel.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ from flwr.serverapp import Grid
 from fedaccel.config import RunConfig
 from fedaccel.errors import RoundFailedError
 from fedaccel.samplers import cohort as sample_partitions
-from fedaccel.samplers import uniform_cohort  # noqa: F401  (re-exported)
 from fedaccel.torch_utils import derive_seed, payload_bytes
 
 

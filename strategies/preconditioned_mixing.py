@@ -67,7 +67,7 @@ def preconditioned_mix(
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     covered: dict[str, torch.Tensor] = {}
     for layer in layers:
-        mats, m_sum, r_sum = [], None, None
+        m_sum, r_sum = None, None
         for (arrays, pre, _), p in zip(clients, weights):
             w_i, keys = layer_matrix(arrays, layer)
             rows, cols = w_i.shape

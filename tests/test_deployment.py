@@ -54,13 +54,13 @@ def test_two_rounds_through_real_supernodes(deployment, algo):
 
 def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
     # A key that was never registered.
-    stranger = deployment.start_supernode(5, 2, key=deployment.key(5))
+    deployment.start_supernode(5, 2, key=deployment.key(5))
     # A CA that did not sign the SuperLink's certificate.
     import subprocess
     other = tmp_path / "other-ca"
     subprocess.run(["bash", "scripts/gen-certs.sh", str(other)], check=True, capture_output=True)
     deployment.register(6)
-    wrong_ca = deployment.start_supernode(6, 2, root_certificates=other / "ca.crt")
+    deployment.start_supernode(6, 2, root_certificates=other / "ca.crt")
     try:
         time.sleep(8)
         listing = deployment.flwr("supernode", "list", "deployment", "--format", "json").stdout

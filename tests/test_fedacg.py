@@ -7,14 +7,11 @@ Strategies are driven with real Flower messages (as in tests/test_strategies.py)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from clients.fedacg import FedACGSolver
 from fedaccel.config import ConfigError, parse_run_config
@@ -22,41 +19,12 @@ from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm
 from strategies.base import Federation
 
+from fakes import StubGrid
+
+pytestmark = pytest.mark.usefixtures("server_identity")
+
 NODES = {0: 101, 1: 102, 2: 103}
 
-
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-
-class StubGrid(Grid):
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self._node_ids = list(node_ids)
-
-    def get_node_ids(self):
-        return list(self._node_ids)
-
-    def set_run(self, run):  # pragma: no cover
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *a, **k):  # pragma: no cover
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
-        raise NotImplementedError
 
 
 def run_cfg(algo: str, **changes):

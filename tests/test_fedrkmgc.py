@@ -16,14 +16,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from clients.fedrkmgc import (
     VARIANTS, FedRKMGCSolver, correction_update, fast_km_coefficients, fast_km_update,
@@ -36,6 +33,10 @@ from fedaccel.registry import get_algorithm
 from strategies.base import FedAccelStrategy, Federation
 from strategies.fedavg import FedAvgStrategy
 from strategies.server_steps import RelaxedAggregation, relax
+
+from fakes import StubGrid
+
+pytestmark = pytest.mark.usefixtures("server_identity")
 
 NODES = {0: 101, 1: 102, 2: 103}
 
@@ -174,39 +175,6 @@ def test_each_variant_switches_exactly_its_components(variant):
 # --------------------------------------------------------------------------- #
 # 4. the server step
 # --------------------------------------------------------------------------- #
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-
-class StubGrid(Grid):
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self._node_ids = list(node_ids)
-
-    def get_node_ids(self):
-        return list(self._node_ids)
-
-    def set_run(self, run):  # pragma: no cover
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *a, **k):  # pragma: no cover
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
-        raise NotImplementedError
-
 
 def rec(v):
     return ArrayRecord({"w": Array(np.asarray(v, dtype=np.float32))})

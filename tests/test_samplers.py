@@ -8,13 +8,10 @@ replies, as in ``tests/test_strategies.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedaccel.config import ConfigError, parse_run_config
 from fedaccel.local_run import default_run_config, fuse
@@ -28,48 +25,16 @@ from fedaccel.samplers import (
 )
 from strategies.base import Federation
 
+from fakes import StubGrid
+
+pytestmark = pytest.mark.usefixtures("server_identity")
+
 NODES8 = {pid: 500 + 3 * pid for pid in range(8)}
 
 
 # --------------------------------------------------------------------------- #
 # helpers
 # --------------------------------------------------------------------------- #
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    """Message() reads the sender from the process, as in the ServerApp process."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-
-class StubGrid(Grid):
-    """A Grid that only knows its node ids."""
-
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self._node_ids = list(node_ids)
-
-    def set_run(self, run):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self._node_ids)
-
-    def push_messages(self, messages):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
-        raise NotImplementedError
-
 
 def make_cfg(algo: str = "fedavg", **changes):
     return parse_run_config(fuse(default_run_config(), {

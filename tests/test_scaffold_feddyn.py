@@ -10,14 +10,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
 from clients.scaffold import (
@@ -32,6 +29,10 @@ from fedaccel.torch_utils import payload_bytes
 from strategies.base import Federation
 from strategies.feddyn import h_update, server_model
 from strategies.scaffold import control_step, model_step
+
+from fakes import StubGrid
+
+pytestmark = pytest.mark.usefixtures("server_identity")
 
 NODES = {0: 101, 1: 102, 2: 103}
 F64 = torch.float64
@@ -121,39 +122,6 @@ def test_option_ii_overstates_control_variate_with_momentum():
 # --------------------------------------------------------------------------- #
 # servers and byte accounting
 # --------------------------------------------------------------------------- #
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-
-class StubGrid(Grid):
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self._node_ids = list(node_ids)
-
-    def get_node_ids(self):
-        return list(self._node_ids)
-
-    def set_run(self, run):  # pragma: no cover
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *a, **k):  # pragma: no cover
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
-        raise NotImplementedError
-
 
 def rec(v):
     return ArrayRecord({"w": Array(np.asarray(v, dtype=np.float32))})

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
 
 from clients.base import TrainData
 from clients.fedprox import FedProxSolver
@@ -25,7 +22,12 @@ from fedaccel.errors import RoundFailedError
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm
 from fedaccel.torch_utils import payload_bytes
-from strategies.base import Federation, mean_client_accuracy, uniform_cohort
+from fedaccel.samplers import uniform_cohort
+from strategies.base import Federation, mean_client_accuracy
+
+from fakes import StubGrid
+
+pytestmark = pytest.mark.usefixtures("server_identity")
 
 NODES = {0: 101, 1: 102, 2: 103}
 
@@ -33,42 +35,6 @@ NODES = {0: 101, 1: 102, 2: 103}
 # --------------------------------------------------------------------------- #
 # helpers
 # --------------------------------------------------------------------------- #
-@pytest.fixture(autouse=True)
-def server_identity(monkeypatch):
-    """Message() reads the sender from the process, as in the ServerApp process."""
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-
-class StubGrid(Grid):
-    """A Grid that only knows its node ids; strategies never push through it here."""
-
-    def __init__(self, node_ids: Iterable[int]) -> None:
-        self._node_ids = list(node_ids)
-
-    def set_run(self, run):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self._node_ids)
-
-    def push_messages(self, messages):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
-        raise NotImplementedError
-
 
 def run_cfg(algo: str = "fedavg", **changes):
     cfg = default_run_config()
