@@ -1,0 +1,328 @@
+"""FedPM paper, Test 1: strongly convex logistic regression, gap and distance per round.
+
+    python bench/fedpm_test1.py [--rounds 30] [--clients 10] [--out bench/results/fedpm]
+
+Problem: L2-regularised 2-logit logistic regression (the project's ``logreg``
+model, ``theta = vec([W | b])``, 62 values) on scikit-learn's breast cancer
+data (569 x 30, standardized), ``F(theta) = mean CE + wd/2 ||theta||^2`` over
+all 569 samples (wd = 1e-2, bias included, exactly the solvers' objective).
+Split: the one of ``tests/test_fedpm.py`` (samples sorted by label, then cut
+into ``--clients`` contiguous shards of Dirichlet(2)-drawn sizes, >= 20 each),
+so most clients hold a single class and the shard sizes differ.
+Start: ``theta* + N(0, 0.1^2)`` per coordinate (torch seed 0), as the paper
+and the test (the theorem is local), *not* the runner's seeded initial model.
+``theta*``: centralized Newton from zero until ||grad F|| < 1e-13 (gradient and
+Hessian by autograd here, independent of the code under test).
+
+How it runs: the project's *real* pieces, in this process, in float64: the
+ClientApp ``apps.client_app.app`` (its ``train`` handler), each algorithm's
+registered strategy (``get_algorithm(algo).build_strategy``) and solver, the
+fast runner's ``LocalGrid``, and Flower's ``Strategy.start``. Only the client
+runtime (data + model) is replaced: ``client_runtime`` returns a float64
+``LogReg(30, 2)`` and the client's breast-cancer shard (the runner has no
+breast-cancer dataset, and the per-round models are taken from Flower's
+``evaluate_fn`` hook, which the runner does not save). Full participation,
+one local step per round (``local-epochs=1``, ``batch-size`` > any shard:
+full-batch GD for the first-order methods, one exact Newton step for
+LocalNewton/FedPM), momentum 0, as in the paper's Test 1.
+
+Learning rates: each baseline over a small grid; the kept lr is the one with
+the smallest final gap (diverged runs are skipped). FedPM uses the theorem's
+setting (lr 1, damping 0, ``fedpm.mode='exact'``) without tuning.
+
+Outputs (``--out``): ``test1.csv`` (method, round, dist, gap; kept lrs),
+``test1_grid.csv`` (every grid run), ``test1.png`` (log-scale gap and
+distance per round), ``test1.md`` (tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WD = 1e-2
+NOISE = 0.1
+
+# method label -> (algo, fixed overrides, lr key, lr grid)
+METHODS: "OrderedDict[str, tuple[str, dict, str, list[float]]]" = OrderedDict([
+    ("FedAvg", ("fedavg", {}, "lr", [1.0, 2.0, 4.0, 8.0])),
+    ("FedAvgM", ("fedavgm", {"fedavgm.server-lr": 1.0, "fedavgm.server-momentum": 0.9},
+                 "lr", [0.3, 1.0, 2.0, 4.0])),
+    ("SCAFFOLD", ("scaffold", {"scaffold.server-lr": 1.0}, "lr", [1.0, 2.0, 4.0, 8.0])),
+    ("FedAdam", ("fedadam", {"lr": 1.0, "fedadam.beta1": 0.9, "fedadam.beta2": 0.99,
+                             "fedadam.tau": 1e-3},
+                 "fedadam.server-lr", [0.003, 0.01, 0.03, 0.1])),
+    ("LocalNewton", ("localnewton", {"localnewton.mode": "exact", "localnewton.damping": 0.0},
+                     "lr", [0.1, 0.25, 0.5, 1.0])),
+    ("FedPM (exact)", ("fedpm", {"fedpm.mode": "exact", "fedpm.damping": 0.0}, "lr", [1.0])),
+])
+
+
+# ------------------------------------------------------------------ problem
+def breast_cancer_clients(num_clients: int):
+    """The split of tests/test_fedpm.py: label-sorted, Dirichlet(2) sizes >= 20."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = (x - x.mean(0)) / x.std(0)
+    order = np.lexsort((x[:, 0], y))  # sorted by label: most clients see one class
+    sizes = np.random.default_rng(0).dirichlet(np.ones(num_clients) * 2) * len(y)
+    cuts = np.clip(np.cumsum(np.maximum(sizes, 20)).astype(int), 0, len(y))[:-1]
+    parts = [p for p in np.split(order, cuts) if len(p)]
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
+    return [(xt[p].contiguous(), yt[p].contiguous()) for p in parts], xt, yt
+
+
+def objective(theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, wd: float = WD) -> torch.Tensor:
+    """mean CE + wd/2 ||theta||^2, theta = vec([W | b]) of shape (2 * 31,)."""
+    xt = torch.cat([x, torch.ones(len(y), 1, dtype=x.dtype)], 1)
+    return F.cross_entropy(xt @ theta.reshape(2, -1).T, y) + 0.5 * wd * theta.pow(2).sum()
+
+
+def newton_optimum(shards_weights, iters: int = 50) -> torch.Tensor:
+    """argmin sum_j w_j f_j (autograd gradient/Hessian, centralized Newton from zero)."""
+    def f(t):
+        return sum(w * objective(t, xs, ys) for w, (xs, ys) in shards_weights)
+
+    theta = torch.zeros(62, dtype=torch.float64)
+    for _ in range(iters):
+        t = theta.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(f(t), t)
+        if float(g.norm()) < 1e-13:
+            break
+        h = torch.autograd.functional.hessian(f, theta)
+        theta = theta - torch.linalg.solve(h, g)
+    t = theta.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(t), t)
+    assert float(g.norm()) < 1e-12, float(g.norm())
+    return theta.detach()
+
+
+def as_theta(arrays) -> torch.Tensor:
+    w = np.asarray(arrays["fc.weight"].numpy(), dtype=np.float64)
+    b = np.asarray(arrays["fc.bias"].numpy(), dtype=np.float64)
+    return torch.from_numpy(np.concatenate([w, b[:, None]], 1).reshape(-1))
+
+
+# ------------------------------------------------------------------ one run
+def run_method(algo: str, overrides: dict, shards, start: dict, rounds: int,
+               measure) -> tuple[list[float], list[float], str]:
+    """Rounds 0..R of the real ClientApp + strategy; returns (dist, gap, status)."""
+    from flwr.app import ArrayRecord
+    from flwr.common.logger import FLOWER_LOGGER
+
+    import apps.client_app as client_module
+    from apps.client_app import ClientRuntime
+    from clients.base import TrainData
+    from fedaccel.config import parse_run_config
+    from fedaccel.local_grid import LocalGrid
+    from fedaccel.local_run import default_run_config, fuse
+    from fedaccel.registry import get_algorithm
+    from models import LogReg
+    from strategies.base import Federation
+
+    FLOWER_LOGGER.setLevel(logging.ERROR)
+    run_config = fuse(default_run_config(), {
+        "algo": algo, "model": "logreg", "weight-decay": WD, "local-epochs": 1,
+        "batch-size": 4096, "momentum": 0.0, "num-server-rounds": rounds,
+        "clients-per-round": len(shards), "accl-every": 0, "client-state": "context",
+        "seed": 0, **overrides})
+    cfg = parse_run_config(run_config)
+    spec = get_algorithm(algo)
+    runtimes = {}
+    for pid, (xs, ys) in enumerate(shards):
+        model = LogReg(30, 2).double()
+        solver = spec.solver(cfg)
+        solver.initial_model = OrderedDict((k, torch.from_numpy(v.copy())) for k, v in start.items())
+        runtimes[pid] = ClientRuntime(cfg=cfg, partition_id=pid, device=torch.device("cpu"),
+                                      model=model, solver=solver, train=TrainData(xs, ys),
+                                      test_x=xs[:1], test_y=ys[:1], state_mode="context")
+    original = client_module.client_runtime
+    client_module.client_runtime = lambda context: runtimes[int(context.node_config["partition-id"])]
+    dist: list[float] = []
+    gap: list[float] = []
+
+    def on_round(server_round, arrays):
+        d, g = measure(as_theta(arrays))
+        dist.append(d)
+        gap.append(g)
+        return None
+
+    status = "ok"
+    try:
+        grid = LocalGrid(client_module.app, run_config, len(shards), seed=0)
+        federation = Federation({int(c.node_config["partition-id"]): node
+                                 for node, c in grid.contexts.items()})
+        strategy = spec.build_strategy(cfg, federation)
+        initial = ArrayRecord(OrderedDict((k, torch.from_numpy(v.copy())) for k, v in start.items()))
+        strategy.start(grid=grid, initial_arrays=strategy.initial_model(initial),
+                       num_rounds=rounds, timeout=600.0, evaluate_fn=on_round)
+    except Exception as err:  # a diverged run: NaN replies are rejected, the round fails
+        status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    finally:
+        client_module.client_runtime = original
+    if not all(math.isfinite(v) for v in dist + gap) or len(dist) < rounds + 1:
+        status = status if status != "ok" else "diverged"
+    while len(dist) < rounds + 1:
+        dist.append(float("nan"))
+        gap.append(float("nan"))
+    return dist, gap, status
+
+
+# ------------------------------------------------------------------ report
+def first_below(gap: list[float], level: float) -> str:
+    for r, g in enumerate(gap):
+        if math.isfinite(g) and g < level:
+            return str(r)
+    return f"> {len(gap) - 1}"
+
+
+def tail_ratios(dist: list[float], count: int = 3, floor: float = 1e-12) -> list[float]:
+    """e_{r+1}/e_r for the last ``count`` rounds whose e_r and e_{r+1} are above ``floor``."""
+    pairs = [(a, b) for a, b in zip(dist, dist[1:]) if math.isfinite(b) and a > floor and b > floor]
+    return [b / a for a, b in pairs[-count:]]
+
+
+def fmt(v: float) -> str:
+    return "nan" if not math.isfinite(v) else f"{v:.2e}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--out", default="bench/results/fedpm")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    shards, x, y = breast_cancer_clients(args.clients)
+    n = len(y)
+    theta_star = newton_optimum([(1.0, (x, y))])
+    f_star = float(objective(theta_star, x, y))
+    # SCAFFOLD's server takes the *unweighted* mean over clients: its fixed point
+    # with one local step is the minimiser of (1/N) sum_i f_i, a diagnostic.
+    theta_unif = newton_optimum([(1.0 / len(shards), s) for s in shards])
+    torch.manual_seed(0)
+    theta0 = (theta_star + NOISE * torch.randn_like(theta_star)).reshape(2, 31)
+    start = {"fc.weight": theta0[:, :30].numpy().copy(), "fc.bias": theta0[:, 30].numpy().copy()}
+
+    def measure(theta):
+        return float((theta - theta_star).norm()), float(objective(theta, x, y)) - f_star
+
+    sizes = [len(s[1]) for s in shards]
+    ones = [int(s[1].sum()) for s in shards]
+    print(f"breast cancer: n={n}, {len(shards)} clients, sizes {sizes}, label-1 counts {ones}")
+    print(f"F* = {f_star:.12f}, ||theta*|| = {float(theta_star.norm()):.4f}, "
+          f"||theta0 - theta*|| = {float((theta0.reshape(-1) - theta_star).norm()):.4f}, "
+          f"||theta*_unif - theta*|| = {float((theta_unif - theta_star).norm()):.3e}")
+
+    grid_rows, kept = [], OrderedDict()
+    for label, (algo, fixed, lr_key, lrs) in METHODS.items():
+        best = None
+        for lr in lrs:
+            t = time.time()
+            dist, gap, status = run_method(algo, {**fixed, lr_key: lr}, shards, start, args.rounds, measure)
+            final = gap[-1]
+            print(f"{label:14s} {lr_key}={lr:<6g} final gap {fmt(final)} dist {fmt(dist[-1])} "
+                  f"{status} ({time.time() - t:.1f} s)", flush=True)
+            grid_rows.append((label, lr_key, lr, dist, gap, status))
+            if status == "ok" and math.isfinite(final) and (best is None or final < best[2][-1]):
+                best = (lr, dist, gap)
+        if best is None:
+            kept[label] = (lr_key, float("nan"), [float("nan")] * (args.rounds + 1),
+                           [float("nan")] * (args.rounds + 1))
+        else:
+            kept[label] = (lr_key, best[0], best[1], best[2])
+    runtime = time.time() - t0
+
+    with open(out / "test1.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "round", "dist", "gap"])
+        for label, (_, _, dist, gap) in kept.items():
+            for r, (d, g) in enumerate(zip(dist, gap)):
+                w.writerow([label, r, repr(d), repr(g)])
+    with open(out / "test1_grid.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "lr_key", "lr", "status", "round", "dist", "gap"])
+        for label, lr_key, lr, dist, gap, status in grid_rows:
+            for r, (d, g) in enumerate(zip(dist, gap)):
+                w.writerow([label, lr_key, lr, status, r, repr(d), repr(g)])
+
+    # ---- plot
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    floor = 1e-16
+    for label, (lr_key, lr, dist, gap) in kept.items():
+        rr = np.arange(len(gap))
+        name = f"{label} ({'server lr' if lr_key != 'lr' else 'lr'} {lr:g})"
+        axes[0].semilogy(rr, np.maximum(np.abs(gap), floor), marker=".", label=name)
+        axes[1].semilogy(rr, np.maximum(dist, floor), marker=".", label=name)
+    axes[0].set_title(r"$|F(w_r) - F(w^*)|$ (floored at 1e-16)")
+    axes[1].set_title(r"$\|w_r - w^*\|$")
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Test 1: logistic regression, breast cancer, {len(shards)} label-sorted clients, "
+                 f"1 local step, wd={WD:g}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "test1.png", dpi=110)
+
+    # ---- markdown
+    lines = [
+        f"Command: `python bench/fedpm_test1.py --rounds {args.rounds} --clients {args.clients} "
+        f"--out {args.out}` ({runtime:.0f} s on a shared 2-core CPU).",
+        "",
+        f"n = {n}, clients {len(shards)}, sizes {sizes}, label-1 counts {ones}; "
+        f"F* = {f_star:.12f}; ||w0 - w*|| = {float((theta0.reshape(-1) - theta_star).norm()):.4f}.",
+        "",
+        "| method | lr (kept) | rounds to gap < 1e-6 | rounds to gap < 1e-10 | final gap | final dist "
+        "| e_{r+1}/e_r, last 3 rounds with e > 1e-12 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, (lr_key, lr, dist, gap) in kept.items():
+        ratios = ", ".join(f"{v:.3g}" for v in tail_ratios(dist))
+        key = "server lr" if lr_key != "lr" else "lr"
+        lines.append(f"| {label} | {key} {lr:g} | {first_below(gap, 1e-6)} | {first_below(gap, 1e-10)} "
+                     f"| {fmt(gap[-1])} | {fmt(dist[-1])} | {ratios} |")
+    lines += ["", "Learning-rate grid (final gap / final dist after "
+              f"{args.rounds} rounds; kept = smallest final gap):", "",
+              "| method | grid key | value | final gap | final dist | status |", "|---|---|---|---|---|---|"]
+    for label, lr_key, lr, dist, gap, status in grid_rows:
+        lines.append(f"| {label} | {lr_key} | {lr:g} | {fmt(gap[-1])} | {fmt(dist[-1])} | {status} |")
+    fed = kept["FedPM (exact)"][2]
+    lines += ["", "FedPM (exact) distance per round: " + ", ".join(fmt(v) for v in fed[:8]),
+              "", "FedPM (exact) e_{r+1}/e_r, rounds 0..6: "
+              + ", ".join(f"{b / a:.3g}" for a, b in zip(fed[:7], fed[1:8]) if a > 1e-12)]
+    lines += ["", f"||w*_unif - w*|| = {float((theta_unif - theta_star).norm()):.3e} "
+              "(w*_unif = argmin (1/N) sum_i f_i, the fixed point of SCAFFOLD's unweighted mean); "
+              f"gap F(w*_unif) - F* = {float(objective(theta_unif, x, y)) - f_star:.3e}."]
+    (out / "test1.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}/test1.csv, test1_grid.csv, test1.png, test1.md in {runtime:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
