@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import runner  # bench/runner.py: resumable parallel fast-runner runs
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -97,7 +97,10 @@ def make_run(args, phase: str, method: str, seed: int, rounds: int, lr: float, m
     ov.update({"seed": seed, "num-server-rounds": rounds, "lr": lr, "momentum": momentum})
     ident = {k: ov[k] for k in ID_KEYS if k in ov}
     ident.update({"phase": phase, "method": method, "num-clients": args.clients})
-    return {"id": ident, "overrides": ov, "num_clients": args.clients}
+    key = run_key(ident)
+    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
+    name = f"{slug}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    return {"id": ident, "key": key, "name": name, "overrides": ov, "num_clients": args.clients}
 
 
 def run_key(ident: dict[str, Any]) -> str:
@@ -105,100 +108,17 @@ def run_key(ident: dict[str, Any]) -> str:
     return json.dumps({k: ident.get(k) for k in ID_KEYS if k != "phase"}, sort_keys=True)
 
 
-def _worker_init() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _run_one(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    from fedaccel.local_run import default_run_config, fuse, run_local
-
-    ident = job["id"]
-    slug = "".join(c if c.isalnum() else "_" for c in ident["method"]).strip("_")
-    name = f"{slug}-s{ident['seed']}-{hashlib.sha1(run_key(ident).encode()).hexdigest()[:8]}"
-    ov = dict(job["overrides"], **{"results-dir": run_dir, "run-name": name})
-    t0 = time.perf_counter()
-    error = None
-    try:
-        folder = run_local(fuse(default_run_config(), ov), job["num_clients"], quiet=True)
-    except SystemExit as err:  # e.g. every sampled client replied non-finite weights (divergence)
-        # (SystemExit would kill the pool worker and hang the pool: record the run as failed instead)
-        error, folder = str(err.code), Path(run_dir) / name
-    seconds = time.perf_counter() - t0
-    summary = {} if error else json.loads((folder / "summary.json").read_text())
-    curve = []
-    with open(folder / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            m = json.loads(line)
-            if m.get("accg") is not None:
-                curve.append([m["round"], round(m["accg"], 5)])
-    return {**ident, "key": run_key(ident), "final_accg": summary.get("final_accg"),
-            "best_accg": summary.get("best_accg"), "rounds_to_target": summary.get("rounds_to_target"),
-            "target_accuracy": summary.get("target_accuracy"), "total_mb": summary.get("total_mb"),
-            "seconds": round(seconds, 2), "run_folder": str(folder), "accg_curve": curve, "error": error,
-            "last_round": _last_round(folder)}
-
-
-def _last_round(folder: Path) -> int | None:
-    try:
-        with open(folder / "metrics.jsonl", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return rows[-1]["round"] if rows else None
-    except OSError:
-        return None
-
-
-def load_records(out: Path) -> list[dict[str, Any]]:
-    path = out / "runs.jsonl"
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def describe(rec: dict[str, Any]) -> str:
+    """The progress line of a finished run."""
+    result = (f"FAILED at round {rec['last_round']}: {rec['error']}" if rec.get("error") else
+              f"final {100 * rec['final_accg']:.2f}%, to {rec['target_accuracy']}: {rec['rounds_to_target']}")
+    return (f"{rec['phase']:8s} {rec['method']:28s} seed={rec['seed']} lr={rec['lr']} "
+            f"mom={rec['momentum']}: {result}")
 
 
 def execute(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the jobs not yet in runs.jsonl; returns the records of all ``jobs``."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    done = {r["key"]: r for r in load_records(out)}
-    todo, seen = [], set()
-    for job in jobs:
-        key = run_key(job["id"])
-        if key not in done and key not in seen:
-            todo.append(job)
-            seen.add(key)
-    if len(jobs) - len(todo):
-        print(f"[bench] {len(jobs) - len(todo)} run(s) already in {out / 'runs.jsonl'}, {len(todo)} to do",
-              flush=True)
-    if todo:
-        ctx = mp.get_context("spawn")
-        t0 = time.perf_counter()
-        with ctx.Pool(processes=max(1, args.jobs), initializer=_worker_init, maxtasksperchild=1) as pool:
-            pending = [pool.apply_async(_run_one, (job, str(args.run_dir))) for job in todo]
-            for i, res in enumerate(_as_completed(pending), 1):
-                rec = res.get()
-                with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-                done[rec["key"]] = rec
-                res_txt = (f"FAILED at round {rec['last_round']}: {rec['error']}" if rec.get("error") else
-                           f"final {100 * rec['final_accg']:.2f}%, to {rec['target_accuracy']}: "
-                           f"{rec['rounds_to_target']}")
-                print(f"[bench] {i}/{len(todo)} {rec['phase']:8s} {rec['method']:28s} seed={rec['seed']} "
-                      f"lr={rec['lr']} mom={rec['momentum']}: {rec['seconds']:.0f}s, {res_txt} "
-                      f"(elapsed {time.perf_counter() - t0:.0f}s)", flush=True)
-    return [done[run_key(job["id"])] for job in jobs]
-
-
-def _as_completed(pending):
-    left = list(pending)
-    while left:
-        for res in list(left):
-            if res.ready():
-                left.remove(res)
-                yield res
-        time.sleep(0.2)
+    """Run the jobs not yet in runs.jsonl (bench/runner.py); records of all ``jobs``."""
+    return runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -250,7 +170,7 @@ def _row(label: str, sel: list[dict[str, Any]], args) -> str:
 
 
 def write_outputs(args: argparse.Namespace) -> None:
-    recs = load_records(args.out)
+    recs = runner.load_records(args.out)
     main = [r for r in recs if r["phase"] == "main" and r["num-server-rounds"] == args.rounds
             and r["lr"] == args.lr and r["model"] == args.model]
     if not main:

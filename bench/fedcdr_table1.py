@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import runner  # bench/runner.py: resumable parallel fast-runner runs
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -103,7 +103,10 @@ def make_run(args: argparse.Namespace, phase: str, method: str, ds: str, seed: i
         ov.update({"fedcdr.eta": eta, "fedcdr.alpha": alpha, "fedcdr.prox-start": prox_start})
     ident = {k: ov[k] for k in ID_KEYS if k in ov}
     ident.update({"phase": phase, "method": method, "dataset": ds, "num-clients": args.clients})
-    return {"id": ident, "overrides": ov, "num_clients": args.clients}
+    key = run_key(ident)
+    name = "-".join(str(ident[k]).replace("(", "").replace(")", "").replace(",", "_")
+                    for k in ("phase", "method", "dataset")) + f"-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    return {"id": ident, "key": key, "name": name, "overrides": ov, "num_clients": args.clients}
 
 
 def run_key(ident: dict[str, Any]) -> str:
@@ -115,91 +118,23 @@ def run_key(ident: dict[str, Any]) -> str:
     return json.dumps(key, sort_keys=True)
 
 
-def _worker_init() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
-
-
-def _run_one(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    from fedaccel.local_run import default_run_config, fuse, run_local
-
-    ident = job["id"]
-    name = "-".join(str(ident[k]).replace("(", "").replace(")", "").replace(",", "_")
-                    for k in ("phase", "method", "dataset")) + f"-s{ident['seed']}-{hashlib.sha1(run_key(ident).encode()).hexdigest()[:8]}"
-    ov = dict(job["overrides"], **{"results-dir": run_dir, "run-name": name})
-    t0 = time.perf_counter()
-    folder = run_local(fuse(default_run_config(), ov), job["num_clients"], quiet=True)
-    seconds = time.perf_counter() - t0
-    summary = json.loads((folder / "summary.json").read_text())
-    curve = []
-    with open(folder / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            m = json.loads(line)
-            if m.get("accg") is not None:
-                curve.append([m["round"], round(m["accg"], 5)])
-    return {**ident, "key": run_key(ident), "final_accg": summary.get("final_accg"),
-            "best_accg": summary.get("best_accg"), "mean_last_20_accg": summary.get("mean_last_20_accg"),
-            "rounds_to_target": summary.get("rounds_to_target"), "target_accuracy": summary.get("target_accuracy"),
-            "seconds": round(seconds, 2), "run_folder": str(folder), "accg_curve": curve}
-
-
-def load_records(out: Path) -> list[dict[str, Any]]:
-    path = out / "runs.jsonl"
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def describe(rec: dict[str, Any]) -> str:
+    """The progress line of a finished run."""
+    extra = f" frac={rec['straggler-fraction']}" if rec["straggler-fraction"] else ""
+    if rec["algo"] == "fedcdr":
+        extra += f" eta={rec['fedcdr.eta']} start={rec['fedcdr.prox-start']}"
+    if rec["algo"] == "fedprox":
+        extra += f" mu={rec['fedprox.mu']}"
+    result = (f"FAILED at round {rec['last_round']}: {rec['error']}" if rec.get("error") else
+              f"final {100 * rec['final_accg']:.2f}%, last-20 {100 * rec['mean_last_20_accg']:.2f}%")
+    return (f"{rec['phase']:6s} {rec['method']:10s} {rec['dataset']} seed={rec['seed']} "
+            f"lr={rec['lr']}{extra}: {result}")
 
 
 def execute(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the jobs not yet in runs.jsonl; returns the records of all ``jobs``."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    done = {r["key"]: r for r in load_records(out)}
-    todo, seen = [], set()
-    for job in jobs:
-        key = run_key(job["id"])
-        if key not in done and key not in seen:
-            todo.append(job)
-            seen.add(key)
-    if len(jobs) - len(todo):
-        print(f"[bench] {len(jobs) - len(todo)} run(s) already in {out / 'runs.jsonl'}, {len(todo)} to do",
-              flush=True)
-    if todo:
-        ctx = mp.get_context("spawn")
-        t0 = time.perf_counter()
-        with ctx.Pool(processes=max(1, args.jobs), initializer=_worker_init, maxtasksperchild=1) as pool:
-            pending = [pool.apply_async(_run_one, (job, str(args.run_dir))) for job in todo]
-            for i, res in enumerate(_as_completed(pending), 1):
-                rec = res.get()
-                with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-                done[rec["key"]] = rec
-                extra = f" frac={rec['straggler-fraction']}" if rec["straggler-fraction"] else ""
-                if rec["algo"] == "fedcdr":
-                    extra += f" eta={rec['fedcdr.eta']} start={rec['fedcdr.prox-start']}"
-                if rec["algo"] == "fedprox":
-                    extra += f" mu={rec['fedprox.mu']}"
-                print(f"[bench] {i}/{len(todo)} {rec['phase']:6s} {rec['method']:10s} {rec['dataset']} "
-                      f"seed={rec['seed']} lr={rec['lr']}{extra}: {rec['seconds']:.0f}s, "
-                      f"final {100 * rec['final_accg']:.2f}%, last-20 {100 * rec['mean_last_20_accg']:.2f}% "
-                      f"(elapsed {time.perf_counter() - t0:.0f}s)", flush=True)
-    return [done[run_key(job["id"])] for job in jobs]
+    """Run the jobs not yet in runs.jsonl (bench/runner.py); records of all ``jobs``."""
+    return runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
 
-
-def _as_completed(pending):
-    left = list(pending)
-    while left:
-        for res in list(left):
-            if res.ready():
-                left.remove(res)
-                yield res
-        time.sleep(0.2)
-
-
-# ----------------------------------------------------------------------------- sweep
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Pick lr, then FedCDR's eta/prox-start and FedProx's mu (Synthetic-(1,1), seed 0)."""
@@ -436,7 +371,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     c = sweep(args)
-    sweep_recs = [r for r in load_records(args.out) if r["phase"] == "sweep"
+    sweep_recs = [r for r in runner.load_records(args.out) if r["phase"] == "sweep"
                   and r["num-server-rounds"] == args.sweep_rounds and r["num-clients"] == args.clients]
     write_sweep(sweep_recs, args, c)
     if args.table in ("1", "all"):

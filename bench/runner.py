@@ -1,0 +1,101 @@
+"""Shared machinery of the benchmark scripts: resumable parallel fast-runner runs.
+
+A job is ``{"id": {...}, "key": str, "name": str, "overrides": {...},
+"num_clients": int}``: ``key`` identifies the run (its config), ``name`` is
+its run folder. :func:`execute` runs every job whose key is not yet in
+``<out>/runs.jsonl`` in spawned worker processes (one fresh process per run,
+one torch thread each), appends one record per finished run and returns the
+records of all jobs, so an interrupted benchmark resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+SUMMARY_FIELDS = ("final_accg", "best_accg", "mean_last_20_accg", "rounds_to_target",
+                  "target_accuracy", "total_mb")
+
+
+def worker_init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_job(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """One run through the fast runner; a run that stops with a user error (e.g.
+    every client replied non-finite weights after a divergence) is recorded as
+    failed with its curve so far instead of killing the pool worker."""
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    overrides = dict(job["overrides"], **{"results-dir": run_dir, "run-name": job["name"]})
+    start = time.perf_counter()
+    error = None
+    try:
+        folder = run_local(fuse(default_run_config(), overrides), job["num_clients"], quiet=True)
+    except SystemExit as err:
+        error, folder = str(err.code), Path(run_dir) / job["name"]
+    seconds = time.perf_counter() - start
+    summary = {} if error else json.loads((folder / "summary.json").read_text())
+    rows = []
+    if (folder / "metrics.jsonl").is_file():
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    curve = [[r["round"], round(r["accg"], 5)] for r in rows if r.get("accg") is not None]
+    return {**job["id"], "key": job["key"], **{k: summary.get(k) for k in SUMMARY_FIELDS},
+            "seconds": round(seconds, 2), "run_folder": str(folder), "accg_curve": curve,
+            "error": error, "last_round": rows[-1]["round"] if rows else None}
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    path = out / "runs.jsonl"
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _as_completed(pending: list[Any]) -> Iterator[Any]:
+    left = list(pending)
+    while left:
+        for res in list(left):
+            if res.ready():
+                left.remove(res)
+                yield res
+        time.sleep(0.2)
+
+
+def execute(jobs: list[dict[str, Any]], out: Path, run_dir: Path, processes: int,
+            describe: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """Run the jobs not yet in ``out/runs.jsonl``; returns the records of all jobs.
+
+    ``describe(record)`` gives the progress line's text for a finished run.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    done = {r["key"]: r for r in load_records(out)}
+    todo, seen = [], set()
+    for job in jobs:
+        if job["key"] not in done and job["key"] not in seen:
+            todo.append(job)
+            seen.add(job["key"])
+    if len(jobs) - len(todo):
+        print(f"[bench] {len(jobs) - len(todo)} run(s) already in {out / 'runs.jsonl'}, "
+              f"{len(todo)} to do", flush=True)
+    if todo:
+        start = time.perf_counter()
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(processes=max(1, processes), initializer=worker_init, maxtasksperchild=1) as pool:
+            pending = [pool.apply_async(run_job, (job, str(run_dir))) for job in todo]
+            for i, res in enumerate(_as_completed(pending), 1):
+                rec = res.get()
+                with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+                done[rec["key"]] = rec
+                print(f"[bench] {i}/{len(todo)} {describe(rec)} "
+                      f"({rec['seconds']:.0f}s; elapsed {time.perf_counter() - start:.0f}s)", flush=True)
+    return [done[job["key"]] for job in jobs]
