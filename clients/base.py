@@ -153,10 +153,21 @@ class LocalSolver:
         """One round of local training from the weights already in ``model``;
         ``received`` holds the message's ArrayRecords other than the model."""
         self.received = dict(received or {})
+        state_lost = bool(self.state_copies and config.get("has-state") and state.is_empty())
+        if state_lost:
+            from logging import WARNING
+
+            from flwr.common import log
+
+            log(WARNING, "[fedaccel] this client trained before but its state is gone (a SuperNode "
+                "restart with client-state='context'?); starting again from the initial state. "
+                "Use client-state='disk' to keep state across restarts.")
         lr = float(config.get("lr", self.cfg.lr))
         epochs = int(config.get("local-epochs", self.cfg.local_epochs))
         self.begin_round(model, config, state)
         metrics = self.run_epochs(model, data, generator, lr, epochs)
         extra = self.end_round(model, state)
         metrics["num-examples"] = data.num_examples
+        if state_lost:
+            metrics["state-lost"] = 1
         return LocalResult(arrays=self.upload(model, state), metrics=metrics, extra=extra)

@@ -42,6 +42,9 @@ class ClientState(Protocol):
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Save ``tensors`` under ``name`` (copies; later edits do not leak in)."""
 
+    def is_empty(self) -> bool:
+        """True when nothing has been saved for this client (or it was lost)."""
+
 
 class ContextState:
     """State in Flower's ``context.state`` RecordDict."""
@@ -55,6 +58,9 @@ class ContextState:
             return None
         return OrderedDict((k, torch.from_numpy(a.numpy()).to(device))
                            for k, a in self.record.array_records[key].items())
+
+    def is_empty(self) -> bool:
+        return not any(k.startswith("fedaccel.") for k in self.record.array_records)
 
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         self.record[f"fedaccel.{name}"] = ArrayRecord(
@@ -73,6 +79,9 @@ class DiskState:
             return None
         with np.load(path) as data:
             return OrderedDict((k, torch.from_numpy(data[k]).to(device)) for k in data.files)
+
+    def is_empty(self) -> bool:
+        return not self.folder.is_dir() or not any(self.folder.glob("*.npz"))
 
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -128,6 +128,7 @@ class Experiment:
             "train_loss": stats.train_loss if stats else None,
             "clients": stats.replies if stats else 0,
             "failures": stats.failures if stats else 0,
+            "state_lost": stats.state_lost if stats else 0,
         }
         self._round_start = now
         self.recorder.log_round(row)

@@ -117,6 +117,7 @@ class RoundLog:
     replies: int = 0
     failures: int = 0
     train_loss: float | None = None
+    state_lost: int = 0  # clients that had trained before but arrived without their state
     accl: float | None = None
 
 
@@ -148,6 +149,8 @@ class FedAccelStrategy:
                                  else run_cfg.straggler_policy)
         self.rounds: dict[int, RoundLog] = {}
         self.global_arrays: ArrayRecord | None = None  # the model sent this round
+        self.stateful = spec.solver.state_copies > 0
+        self.trained: set[int] = set()  # partitions that have replied to a training round
 
     # ------------------------------------------------------------- hooks
     def sample_cohort(self, server_round: int) -> list[int]:
@@ -179,6 +182,16 @@ class FedAccelStrategy:
         e.g. SCAFFOLD's server control variate). Counted in bytes_down."""
         return {}
 
+    def _client_updates(self, partition: int, log_: RoundLog) -> dict[str, Any]:
+        """Per-client config values: a straggler's epochs; for stateful algorithms,
+        ``has-state`` tells a client it trained before, so it can detect lost state."""
+        updates: dict[str, Any] = {}
+        if partition in log_.stragglers:
+            updates["local-epochs"] = log_.stragglers[partition]
+        if self.stateful and partition in self.trained:
+            updates["has-state"] = True
+        return updates
+
     def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
         """The model of round 1, given the seeded initial model (hook)."""
         return arrays
@@ -206,13 +219,11 @@ class FedAccelStrategy:
         extra = self.broadcast_records(server_round)
         if extra:
             messages = [_with_records(m, extra) for m in messages]
-        if log_.stragglers:
+        if log_.stragglers or (self.stateful and self.trained):
             pid = self.federation.partition_of_node
-            messages = [
-                _with_config(m, {"local-epochs": log_.stragglers[pid[m.metadata.dst_node_id]]})
-                if pid[m.metadata.dst_node_id] in log_.stragglers else m
-                for m in messages
-            ]
+            messages = [_with_config(m, updates) if (updates := self._client_updates(pid[m.metadata.dst_node_id],
+                                                                                     log_)) else m
+                        for m in messages]
         log_.bytes_down += sum(_message_bytes(m) for m in messages)
         return messages
 
@@ -249,6 +260,16 @@ class FedAccelStrategy:
             log(WARNING, "round %s: %s of %s sampled clients failed, were rejected or did not "
                 "reply in time; aggregating the other %s", server_round, log_.failures,
                 len(log_.sampled), len(ok))
+        pid_of = self.federation.partition_of_node
+        for m in ok:
+            self.trained.add(pid_of.get(m.metadata.src_node_id, -1))
+            metrics_in = next(iter(m.content.metric_records.values()))
+            if "state-lost" in metrics_in:
+                log_.state_lost += 1
+                log(WARNING, "round %s: client %s had lost its %s state (SuperNode restart with "
+                    "client-state='context'?); it restarted from the initial state, so the "
+                    "algorithm's invariants no longer hold exactly. Use client-state='disk'.",
+                    server_round, pid_of.get(m.metadata.src_node_id), self.run_cfg.algo)
         if log_.stragglers and self.straggler_policy == "drop":
             pid = self.federation.partition_of_node
             kept = [m for m in ok if pid.get(m.metadata.src_node_id) not in log_.stragglers]

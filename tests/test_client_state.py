@@ -281,3 +281,36 @@ def test_stateless_algorithm_keeps_no_state(tmp_path, quiet):
                                                                        "num-server-rounds": 1}), 6)
     assert not state_run_dir(str(tmp_path / "s"), grid.run.run_id).exists()
     assert all(len(c.state.array_records) == 0 for c in grid.contexts.values())
+
+
+def test_lost_client_state_is_detected_and_reported(tmp_path, caplog):
+    """A SuperNode restarted with client-state='context' comes back without its
+    state: the client notices (the server tells it that it trained before),
+    restarts from the initial state, and the round's metrics say so."""
+    from flwr.app import Context, RecordDict
+
+    from apps.client_app import app as client_app
+    from apps.server_app import app as server_app
+    from fedaccel.local_grid import LocalGrid
+
+    cfg = fuse(default_run_config(), {
+        "algo": "fedcdr", "num-server-rounds": 4, "clients-per-round": 2, "local-epochs": 1,
+        "accl-every": 0, "synthetic.max-samples": 60, "client-state": "context",
+        "results-dir": str(tmp_path), "run-name": "lost"})
+    trained_once: set[int] = set()
+
+    def restarting_client(message, context):
+        """Partition 0 'restarts' (loses context.state) before its second training."""
+        pid = context.node_config["partition-id"]
+        if message.metadata.message_type == "train":
+            if pid == 0 and pid in trained_once:
+                context.state = RecordDict()
+            trained_once.add(pid)
+        return client_app(message, context)
+
+    grid = LocalGrid(restarting_client, cfg, num_clients=4)
+    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+                             run_config=cfg))
+    rows = [json.loads(line) for line in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["state_lost"] for r in rows) == 1  # reshuffle: partition 0 trains twice in 4 rounds
+    assert "had lost its fedcdr state" in caplog.text
