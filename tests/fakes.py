@@ -1,4 +1,4 @@
-"""Test doubles shared by the strategy tests (imported as ``from fakes import ...``)."""
+"""Test doubles and test problems shared by the tests (imported as ``from fakes import ...``)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ class StubGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
         raise NotImplementedError
+
+
+def heterogeneous_least_squares(n: int = 10, d: int = 5, m: int = 20, seed: int = 0):
+    """Client i: f_i(z) = 0.5/m ||A_i z - b_i||^2 with b_i = A_i w_i, the w_i far
+    apart. Returns (H_i, c_i, z*, w_i) with H_i = A_i^T A_i / m, c_i = A_i^T b_i / m
+    and z* the minimizer of sum_i f_i."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    A = [rng.standard_normal((m, d)) for _ in range(n)]
+    w = [3 * rng.standard_normal(d) for _ in range(n)]
+    H = [a.T @ a / m for a in A]
+    c = [a.T @ (a @ wi) / m for a, wi in zip(A, w)]
+    return H, c, np.linalg.solve(sum(H), sum(c)), w

@@ -28,6 +28,7 @@ from clients.base import TrainData
 from clients.state import ContextState
 from fedaccel.config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
+from fakes import heterogeneous_least_squares
 from fedaccel.samplers import reshuffle_cohort, uniform_cohort
 
 CPU = torch.device("cpu")
@@ -299,12 +300,7 @@ N, D, M = 10, 5, 20
 @pytest.fixture(scope="module")
 def lsq():
     """Client i: f_i(z) = 0.5/m ||A_i z - b_i||^2 with b_i = A_i w_i, w_i far apart."""
-    rng = np.random.default_rng(0)
-    A = [rng.standard_normal((M, D)) for _ in range(N)]
-    w = [3 * rng.standard_normal(D) for _ in range(N)]
-    H = [a.T @ a / M for a in A]
-    c = [a.T @ (a @ wi) / M for a, wi in zip(A, w)]
-    z_star = np.linalg.solve(sum(a.T @ a for a in A), sum(a.T @ (a @ wi) for a, wi in zip(A, w)))
+    H, c, z_star, w = heterogeneous_least_squares(N, D, M)
     # the clients really disagree: each local minimizer is far from z*
     assert min(np.linalg.norm(wi - z_star) for wi in w) > 1.0
     return H, c, z_star

@@ -30,7 +30,7 @@ from strategies.base import Federation
 from strategies.feddyn import h_update, server_model
 from strategies.scaffold import control_step, model_step
 
-from fakes import StubGrid
+from fakes import StubGrid, heterogeneous_least_squares
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 
@@ -205,12 +205,8 @@ N, D, M = 10, 5, 20
 
 @pytest.fixture(scope="module")
 def lsq():
-    rng = np.random.default_rng(0)
-    A = [rng.standard_normal((M, D)) for _ in range(N)]
-    w = [3 * rng.standard_normal(D) for _ in range(N)]
-    H = [a.T @ a / M for a in A]
-    c = [a.T @ (a @ wi) / M for a, wi in zip(A, w)]
-    return H, c, np.linalg.solve(sum(H), sum(c))
+    H, c, z_star, _ = heterogeneous_least_squares(N, D, M)
+    return H, c, z_star
 
 
 def run(lsq, algo, rounds, momentum=0.0, lr=0.05, steps=5, **params):
