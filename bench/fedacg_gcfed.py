@@ -123,36 +123,7 @@ def execute(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
 
 # ----------------------------------------------------------------------------- metrics
 
-def mean_last(rec: dict[str, Any], window: int = 10) -> float:
-    """Mean test accuracy of the evaluations in the last ``window`` rounds."""
-    last = rec["num-server-rounds"]
-    vals = [a for r, a in rec["accg_curve"] if r > last - window]
-    return statistics.fmean(vals)
-
-
-def rounds_to(rec: dict[str, Any], target: float) -> int | None:
-    """First evaluated round with accg >= target (granularity: eval-every)."""
-    for r, a in rec["accg_curve"]:
-        if a >= target:
-            return r
-    return None
-
-
-def _ms(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
-    if not values:
-        return "-"
-    mean = statistics.fmean(values) * scale
-    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def _rtt(recs: list[dict[str, Any]], target: float) -> str:
-    hits = [rounds_to(r, target) for r in recs]
-    hit = [h for h in hits if h is not None]
-    if not hit:
-        return f"> {recs[0]['num-server-rounds']} (0/{len(recs)})"
-    std = f" ± {statistics.stdev(hit):.1f}" if len(hit) > 1 else ""
-    return f"{statistics.fmean(hit):.1f}{std} ({len(hit)}/{len(recs)})"
+mean_last, rounds_to, _ms, _rtt = runner.mean_last, runner.rounds_to, runner.mean_std, runner.rounds_to_cell
 
 
 def _row(label: str, sel: list[dict[str, Any]], args) -> str:

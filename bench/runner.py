@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -99,3 +100,37 @@ def execute(jobs: list[dict[str, Any]], out: Path, run_dir: Path, processes: int
                 print(f"[bench] {i}/{len(todo)} {describe(rec)} "
                       f"({rec['seconds']:.0f}s; elapsed {time.perf_counter() - start:.0f}s)", flush=True)
     return [done[job["key"]] for job in jobs]
+
+
+# ----------------------------------------------------------------------------- summaries
+
+def mean_last(rec: dict[str, Any], window: int = 10) -> float:
+    """Mean test accuracy of the evaluations in the last ``window`` rounds."""
+    last = rec["num-server-rounds"]
+    vals = [a for r, a in rec["accg_curve"] if r > last - window]
+    return statistics.fmean(vals)
+
+
+def rounds_to(rec: dict[str, Any], target: float) -> int | None:
+    """First evaluated round with accg >= target (granularity: eval-every)."""
+    for r, a in rec["accg_curve"]:
+        if a >= target:
+            return r
+    return None
+
+
+def mean_std(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values) * scale
+    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def rounds_to_cell(recs: list[dict[str, Any]], target: float) -> str:
+    hits = [rounds_to(r, target) for r in recs]
+    hit = [h for h in hits if h is not None]
+    if not hit:
+        return f"> {recs[0]['num-server-rounds']} (0/{len(recs)})"
+    std = f" ± {statistics.stdev(hit):.1f}" if len(hit) > 1 else ""
+    return f"{statistics.fmean(hit):.1f}{std} ({len(hit)}/{len(recs)})"

@@ -59,6 +59,8 @@ class DataConfig:
     data_dir: str = ""
     # share of each client's samples held out as its local test split; [0, 1)
     local_test_fraction: float = 0.2
+    # > 0: a seeded random subset of this many training rows before partitioning
+    train_samples: int = 0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     synthetic_iid: bool = False
@@ -97,6 +99,16 @@ class DataConfig:
                 f"local-test-fraction={self.local_test_fraction!r} is invalid; "
                 "it must be in [0, 1)"
             )
+        if not _is_int(self.train_samples) or self.train_samples < 0:
+            raise DataError(
+                f"train-samples={self.train_samples!r} is invalid; it must be an integer >= 0 "
+                "(0 = the whole training set)"
+            )
+        if self.dataset == "synthetic" and self.train_samples:
+            raise DataError(
+                "train-samples only subsamples image datasets; for dataset 'synthetic' set "
+                "synthetic.max-samples (and synthetic.size-mu) instead"
+            )
         for key, val in (("synthetic.alpha", self.synthetic_alpha),
                          ("synthetic.beta", self.synthetic_beta)):
             if not _is_number(val) or not math.isfinite(val) or val < 0:
@@ -131,7 +143,7 @@ class DataConfig:
 
         # Normalise numpy / int scalars so equal configs hash equal (cache key).
         for name, kind in (("num_clients", int), ("seed", int), ("synthetic_max_samples", int),
-                           ("synthetic_min_samples", int), ("synthetic_size_mu", float),
+                           ("synthetic_min_samples", int), ("synthetic_size_mu", float), ("train_samples", int),
                            ("dirichlet_alpha", float), ("local_test_fraction", float),
                            ("synthetic_alpha", float), ("synthetic_beta", float),
                            ("synthetic_iid", bool)):

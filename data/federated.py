@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import DataConfig, DataError
-from .partition import STREAM_SYNTHETIC, partition_pool, split_local
+from .partition import STREAM_SYNTHETIC, STREAM_TRAIN_SUBSET, partition_pool, split_local
 from .sources import (
     SYNTHETIC_CLASSES,
     SYNTHETIC_DIM,
@@ -139,6 +140,19 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
     return FederatedDataset(source, train_idx, test_idx, cfg)
 
 
+def _subsample(source: Source, cfg: DataConfig) -> Source:
+    """``train-samples``: a seeded random subset of the training pool (kept in pool order)."""
+    n = len(source.pool_y)
+    if cfg.train_samples > n:
+        raise DataError(
+            f"train-samples={cfg.train_samples} exceeds the {n} training samples of "
+            f"{source.name!r}; use at most {n}, or 0 for all"
+        )
+    rows = np.sort(np.random.default_rng([cfg.seed, STREAM_TRAIN_SUBSET]).choice(
+        n, size=cfg.train_samples, replace=False))
+    return dataclasses.replace(source, pool_x=source.pool_x[rows], pool_y=source.pool_y[rows])
+
+
 @functools.lru_cache(maxsize=8)
 def load_federated(cfg: DataConfig) -> FederatedDataset:
     """Build (once per process and config) the federated dataset ``cfg`` describes.
@@ -158,6 +172,8 @@ def load_federated(cfg: DataConfig) -> FederatedDataset:
         source = load_cifar_source(cfg)
     else:  # pragma: no cover - validated by DataConfig
         raise DataError(f"dataset={cfg.dataset!r} is unknown")
+    if cfg.train_samples:
+        source = _subsample(source, cfg)
     parts = partition_pool(source.pool_y, cfg, source.name)
     train_idx, test_idx = split_local(parts, cfg.local_test_fraction, cfg.seed)
     return FederatedDataset(source, train_idx, test_idx, cfg)

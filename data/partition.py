@@ -12,6 +12,7 @@ from .config import DataConfig, DataError
 STREAM_SYNTHETIC = 1
 STREAM_IID = 2
 STREAM_LOCAL_SPLIT = 3
+STREAM_TRAIN_SUBSET = 4
 
 
 def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> list[np.ndarray]:

@@ -137,6 +137,7 @@ class RunConfig:
     client_state: str = "auto"
     state_dir: str = ""
     round_timeout: float = 600.0
+    train_samples: int = 0
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -268,6 +269,9 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     dataset = _string(cfg, "dataset", tuple(DATASETS))
     partition = _string(cfg, "partition", tuple(PARTITIONS))
     run_name = _string(cfg, "run-name")
+    train_samples = _integer(cfg, "train-samples", 0) if "train-samples" in cfg else 0
+    require(dataset != "synthetic" or train_samples == 0, "train-samples", train_samples,
+            "only subsamples image datasets; for dataset 'synthetic' set synthetic.max-samples instead")
     require("/" not in run_name and run_name not in (".", ".."), "run-name", run_name,
             "must be a plain folder name without '/'")
 
@@ -330,6 +334,7 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         client_state=_string(cfg, "client-state", CLIENT_STATES),
         state_dir=_string(cfg, "state-dir"),
         round_timeout=_positive(cfg, "round-timeout"),
+        train_samples=train_samples,
         algo_params=parse_algo_params(spec.params, spec.prefix, cfg),
         gc=gc,
         raw=dict(cfg),

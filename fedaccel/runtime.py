@@ -21,6 +21,7 @@ def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:
         seed=cfg.seed,
         data_dir=cfg.data_dir,
         local_test_fraction=cfg.local_test_fraction,
+        train_samples=cfg.train_samples,
         synthetic_alpha=cfg.synthetic.alpha,
         synthetic_beta=cfg.synthetic.beta,
         synthetic_iid=cfg.synthetic.iid,

@@ -44,6 +44,7 @@ MODELS: tuple[str, ...] = (
     "mlp",
     "mlp200",
     "cnn",
+    "cnn-small",
     "cifar-cnn",
     "resnet18",
     "resnet34",
@@ -82,6 +83,7 @@ _BUILDERS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": lambda s, k: MLP(_flat(s), k),
     "mlp200": lambda s, k: MLP200(_flat(s), k),
     "cnn": lambda s, k: McMahanCNN(s, k),
+    "cnn-small": lambda s, k: McMahanCNN(s, k, channels=(16, 32), hidden=128),
     "cifar-cnn": lambda s, k: CifarCNN(s, k),
     "resnet18": lambda s, k: resnet18(k, in_channels=s[0]),
     "resnet34": lambda s, k: resnet34(k, in_channels=s[0]),
@@ -91,6 +93,7 @@ _BUILDERS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
 # smallest spatial side each image model accepts
 _MIN_SIDE: dict[str, int] = {
     "cnn": McMahanCNN.MIN_SIDE,
+    "cnn-small": McMahanCNN.MIN_SIDE,
     "cifar-cnn": CifarCNN.MIN_SIDE,
     "resnet18": 1,
     "resnet34": 1,

@@ -94,6 +94,8 @@ BAD_VALUES = [
     ("fedprox.mu", -1, {"algo": "fedprox"}),
     ("fedavgm.server-momentum", 1.5, {"algo": "fedavgm"}),
     ("fedadam.tau", 0, {"algo": "fedadam"}),
+    ("train-samples", -1, {"dataset": "digits"}),
+    ("train-samples", 100, {}),  # the default dataset is synthetic: not subsampled this way
 ]
 
 

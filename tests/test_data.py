@@ -474,3 +474,19 @@ def test_config_normalises_scalars_for_the_cache():
     assert a == b and hash(a) == hash(b) and type(a.num_clients) is int
     with pytest.raises(DataError, match="num-clients"):
         DataConfig(num_clients=2.5)
+
+
+def test_train_samples_takes_a_seeded_subset_before_partitioning(tmp_path):
+    make_idx_dir(tmp_path / "fashion-mnist")
+    full = load_federated(DataConfig(dataset="fashion-mnist", num_clients=5, data_dir=str(tmp_path)))
+    sub = load_federated(DataConfig(dataset="fashion-mnist", num_clients=5, data_dir=str(tmp_path),
+                                    train_samples=100))
+    again = load_federated(DataConfig(dataset="fashion-mnist", num_clients=5, data_dir=str(tmp_path),
+                                      train_samples=100))
+    assert sum(full.partition_sizes()) == 200 and sum(sub.partition_sizes()) == 100
+    assert sub.partition_sizes() == [20] * 5
+    np.testing.assert_array_equal(sub.client(3).y_train, again.client(3).y_train)
+    np.testing.assert_array_equal(sub.test_x, full.test_x)  # the server test set is untouched
+    with pytest.raises(DataError, match="train-samples=500 exceeds the 200"):
+        load_federated(DataConfig(dataset="fashion-mnist", num_clients=5, data_dir=str(tmp_path),
+                                  train_samples=500))

@@ -14,6 +14,7 @@ DEFAULT_INPUT: dict[str, tuple[tuple[int, ...], int]] = {
     "mlp": ((60,), 10),
     "mlp200": ((1, 28, 28), 10),
     "cnn": ((1, 28, 28), 10),
+    "cnn-small": ((1, 28, 28), 10),
     "cifar-cnn": ((3, 32, 32), 10),
     "resnet18": ((3, 32, 32), 100),
     "resnet34": ((3, 32, 32), 100),
@@ -38,7 +39,7 @@ CASES = [(n, *DEFAULT_INPUT[n]) for n in MODELS] + EXTRA_CASES
 
 def test_registry_covers_all_models() -> None:
     assert MODELS == (
-        "logreg", "mlp", "mlp200", "cnn", "cifar-cnn", "resnet18", "resnet34", "resnet20",
+        "logreg", "mlp", "mlp200", "cnn", "cnn-small", "cifar-cnn", "resnet18", "resnet34", "resnet20",
     )
     assert set(DEFAULT_INPUT) == set(MODELS)
 
@@ -68,6 +69,11 @@ def test_forward_backward(name: str, shape: tuple[int, ...], classes: int) -> No
         ("mlp", (1, 8, 8), 10, 64 * 32 + 32 + 32 * 10 + 10),  # d <= 100 -> h = 32
         ("mlp200", (1, 28, 28), 10, 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10),
         ("cnn", (1, 28, 28), 10, 1_663_370),
+        (
+            "cnn-small", (1, 28, 28), 10,
+            (5 * 5 * 1 * 16 + 16) + (5 * 5 * 16 * 32 + 32)
+            + (7 * 7 * 32 * 128 + 128) + (128 * 10 + 10),
+        ),
         (
             "cnn", (1, 28, 28), 10,
             (5 * 5 * 1 * 32 + 32) + (5 * 5 * 32 * 64 + 64)
