@@ -1,0 +1,418 @@
+"""What a round costs beyond the clients' own training: bare loop vs fast runner vs Ray (issue 8).
+
+For each workload and algorithm, one invocation times, on this machine:
+
+(a) ``bare``: a plain single-process PyTorch loop written here, with no framework: the
+    same data (the project's loaders and partitions), model, cohorts (the project's
+    seeded samplers), per-client batch order, local epochs, and the same aggregation
+    arithmetic (FedAvg's weighted mean; FedCDR's Douglas-Rachford client step and
+    ``x += sum g / n``; FedPM's FOOF-preconditioned local steps and Cholesky
+    preconditioned mixing in float64, as the strategy does);
+(b) ``fast``: the project's in-process runner (``fedaccel-run``);
+(c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
+    started cold for every run, 1 CPU per client).
+
+Workloads (100 clients, 10 per round, 1 local epoch): ``mlp-synthetic`` (MLP 60-32-10 on
+Synthetic-(1,1), batch 16), ``mlp-fmnist`` (MLP 784-128-10 on Fashion-MNIST, batch 32) and
+``cnn-fmnist`` (the McMahan CNN on Fashion-MNIST, batch 32). Server evaluation happens
+before round 1 and after the last round only (``eval-every`` = rounds), in all three.
+
+Reported per (workload, algorithm, mode): seconds per round (median over rounds 2..R-1:
+not the first, not the last, which carries the final evaluation), start-up (wall time of
+the whole process minus the rounds: interpreter, imports, data, model, Ray, teardown),
+peak resident memory (``ru_maxrss`` of the process for bare/fast; for ray the peak of the
+summed RSS of every process started during the run, which counts shared memory more than
+once), and the ratios fast/bare and ray/bare. Also the cost of one evaluation of the
+global model on the server test set.
+
+    python bench/overhead.py                                  # everything, ~25 min here
+    python bench/overhead.py --workloads mlp-synthetic --modes bare fast --rounds 8
+    python bench/overhead.py --scale                          # 100 vs 1,000 clients (fast runner)
+    python bench/overhead.py --phase table                    # re-tabulate results.jsonl
+
+Every measurement appends a JSON line to ``<out>/results.jsonl`` (a later measurement of
+the same cell replaces an earlier one in the table); ``table.md`` is rewritten at the end.
+Time it on a quiet machine: anything else running skews every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp-synthetic": {"dataset": "synthetic", "model": "mlp", "batch-size": 16},
+    "mlp-fmnist": {"dataset": "fashion-mnist", "model": "mlp", "batch-size": 32},
+    "cnn-fmnist": {"dataset": "fashion-mnist", "model": "cnn", "batch-size": 32},
+}
+ALGOS = ("fedavg", "fedcdr", "fedpm")
+MODES = ("bare", "fast", "ray")
+CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
+
+
+def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str) -> dict[str, Any]:
+    return {
+        **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
+        "clients-per-round": 10, "local-epochs": 1, "eval-every": rounds, "accl-every": 0,
+        "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
+    }
+
+
+# ----------------------------------------------------------------------------- (a) bare loop
+
+def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
+    """The reference: plain PyTorch, no messages, records, strategies or solvers."""
+    import torch
+    import torch.nn.functional as F
+
+    from clients import foof  # FOOF matrix and layer-matrix helpers (pure tensor functions)
+    from data import DataConfig, load_federated
+    from fedaccel.samplers import cohort
+    from fedaccel.torch_utils import seeded_generator
+    from models import build_model
+
+    from fedaccel.local_run import default_run_config, fuse
+    cfg = fuse(default_run_config(), ov)
+    algo, seed, rounds = cfg["algo"], cfg["seed"], cfg["num-server-rounds"]
+    lr, bs, epochs, size = cfg["lr"], cfg["batch-size"], cfg["local-epochs"], cfg["clients-per-round"]
+    data = load_federated(DataConfig(
+        dataset=cfg["dataset"], num_clients=clients, partition=cfg["partition"],
+        dirichlet_alpha=cfg["dirichlet-alpha"], seed=seed, local_test_fraction=cfg["local-test-fraction"]))
+    parts = [data.client(i) for i in range(clients)]
+    train = [(torch.from_numpy(p.x_train), torch.from_numpy(p.y_train)) for p in parts]
+    test_x, test_y = torch.from_numpy(data.test_x), torch.from_numpy(data.test_y)
+    torch.manual_seed(seed)
+    model = build_model(cfg["model"], data.input_shape, data.num_classes)
+    x0 = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+    glob = OrderedDict((k, v.clone()) for k, v in x0.items())
+    params = dict(model.named_parameters())
+    sampler = "reshuffle" if algo == "fedcdr" else "uniform"
+    eta, alpha = cfg["fedcdr.eta"], cfg["fedcdr.alpha"]
+    damping = cfg["fedpm.damping"]
+    dr_state: dict[int, tuple[dict, dict, dict]] = {}
+
+    def evaluate() -> float:
+        model.load_state_dict(glob)
+        model.eval()
+        with torch.no_grad():
+            correct = sum(int((model(test_x[i:i + 1000]).argmax(1) == test_y[i:i + 1000]).sum())
+                      for i in range(0, len(test_y), 1000))
+        model.train()
+        return correct / len(test_y)
+
+    def local_sgd(x, y, generator, grad_hook=None) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg["momentum"],
+                              weight_decay=cfg["weight-decay"])
+        for _ in range(epochs):
+            order = torch.randperm(len(y), generator=generator)
+            for s in range(0, len(y), bs):
+                idx = order[s:s + bs]
+                opt.zero_grad(set_to_none=False)
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                if grad_hook:
+                    grad_hook()
+                opt.step()
+
+    t_eval = time.perf_counter()
+    evaluate()  # the frameworks score the initial model too
+    eval_seconds = time.perf_counter() - t_eval
+    round_seconds = []
+    for rnd in range(1, rounds + 1):
+        start = time.perf_counter()
+        ids = cohort(sampler, seed, rnd, clients, size)
+        if algo == "fedavg":
+            acc = OrderedDict((k, torch.zeros_like(v)) for k, v in glob.items())
+            total = 0
+            for pid in ids:
+                x, y = train[pid]
+                model.load_state_dict(glob)
+                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"))
+                for k, v in model.state_dict().items():
+                    acc[k] += v * len(y)
+                total += len(y)
+            glob = OrderedDict((k, v / total) for k, v in acc.items())
+        elif algo == "fedcdr":  # Algorithm 1: relax, inexact prox by SGD, reflect; x += sum g / n
+            g_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in glob.items())
+            for pid in ids:
+                x, y = train[pid]
+                yy, xi, xhat = dr_state.get(pid) or (dict(x0), dict(x0), dict(x0))
+                yy = {k: yy[k] + alpha * (glob[k] - xi[k]) for k in glob}
+                model.load_state_dict(glob)
+                pairs = [(p, yy[n]) for n, p in params.items()]
+
+                def prox_pull(pairs=pairs) -> None:
+                    for p, target in pairs:
+                        p.grad.add_(p.detach() - target, alpha=1.0 / eta)
+                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), prox_pull)
+                xi = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                new_hat = {k: 2 * xi[k] - yy[k] for k in glob}
+                for k in glob:
+                    g_sum[k] += new_hat[k] - xhat[k]
+                dr_state[pid] = (yy, xi, new_hat)
+            glob = OrderedDict((k, glob[k] + g_sum[k] / clients) for k in glob)
+        else:  # fedpm: FOOF-preconditioned local steps, preconditioned mixing
+            layers = OrderedDict(foof.foof_layers(model))
+            total = sum(len(train[pid][1]) for pid in ids)
+            m_sum: dict[str, torch.Tensor] = {}
+            r_sum: dict[str, torch.Tensor] = {}
+            rest = OrderedDict((k, torch.zeros_like(v, dtype=torch.float64)) for k, v in glob.items())
+            for pid in ids:
+                x, y = train[pid]
+                model.load_state_dict(glob)
+                factors = {n: foof.damped_cholesky(a, damping) for n, a in foof.compute_foof(model, x).items()}
+
+                def precondition() -> None:
+                    for n, module in layers.items():
+                        g = foof.weight_matrix(module, grad=True)
+                        foof.write_matrix(module, foof.right_solve(g, factors[n]), grad=True)
+                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), precondition)
+                a_end = foof.compute_foof(model, x)  # upload='end': FOOF at the final weights
+                p = len(y) / total
+                with torch.no_grad():
+                    for n, module in layers.items():
+                        m = a_end[n].to(torch.float64) + damping * torch.eye(a_end[n].shape[0], dtype=torch.float64)
+                        w = foof.weight_matrix(module).to(torch.float64)
+                        m_sum[n] = m_sum[n] + p * m if n in m_sum else p * m
+                        r_sum[n] = r_sum[n] + p * (w @ m) if n in r_sum else p * (w @ m)
+                    for k, v in model.state_dict().items():
+                        rest[k] += p * v.to(torch.float64)
+            with torch.no_grad():
+                model.load_state_dict(OrderedDict((k, v.float()) for k, v in rest.items()))
+                for n, module in layers.items():
+                    mixed = foof.right_solve(r_sum[n], torch.linalg.cholesky(m_sum[n]))
+                    foof.write_matrix(module, mixed.float())
+            glob = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+        if rnd == rounds:
+            evaluate()
+        round_seconds.append(time.perf_counter() - start)
+    return {"round_seconds": round_seconds, "eval_seconds": eval_seconds}
+
+
+# ----------------------------------------------------------------------------- (b) fast runner
+
+def fast_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    folder = run_local(fuse(default_run_config(), ov), clients, quiet=True)
+    return {"round_seconds": [r["seconds"] for r in _rows(folder)]}
+
+
+def _rows(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- (c) Ray
+
+def _toml(v: Any) -> str:
+    return f"'{v}'" if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+class TreeRSS:
+    """Peak of the summed VmRSS of every process started after ``start()`` (sampled)."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval, self.peak_kb, self._stop = interval, 0, threading.Event()
+        with open("/proc/uptime") as f:
+            self.t0_ticks = float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK") - 1
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> int:
+        total = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    start = int(f.read().rsplit(")", 1)[1].split()[19])
+                if start < self.t0_ticks:
+                    continue
+                with open(f"/proc/{pid}/status") as f:
+                    total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kb = max(self.peak_kb, self._sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "TreeRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def ray_env(home: Path) -> dict[str, str]:
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": HTTP_PORT,
+           "FLWR_LOCAL_CONTROL_API_PORT": CONTROL_PORT, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    subprocess.run([sys.executable, "-m", "fedaccel.federations", "install"], env=env, check=True,
+                   capture_output=True)
+    return env
+
+
+def ray_run(ov: dict[str, Any], clients: int, env: dict[str, str]) -> dict[str, Any]:
+    from fedaccel.superlink import stop_local_superlink
+
+    stop_local_superlink(CONTROL_PORT)  # every run starts its SuperLink and Ray cold
+    text = " ".join(f"{k}={_toml(v)}" for k, v in ov.items())
+    flwr = str(Path(sys.executable).parent / "flwr")
+    start = time.perf_counter()
+    with TreeRSS() as rss:
+        proc = subprocess.run([flwr, "run", ".", "--run-config", text, "--federation-config",
+                               f"num-supernodes={clients}", "--stream"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=3600)
+        folder = Path(ov["results-dir"]) / ov["run-name"]
+        while proc.returncode == 0 and not (folder / "summary.json").is_file() \
+                and time.perf_counter() - start < 600:
+            time.sleep(0.2)  # the ServerApp may still be writing after the stream ends
+    wall = time.perf_counter() - start
+    stop_local_superlink(CONTROL_PORT)
+    if proc.returncode != 0 or not (folder / "metrics.jsonl").is_file():
+        raise SystemExit(f"flwr run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"round_seconds": [r["seconds"] for r in _rows(folder)], "wall": wall, "peak_rss_mb": rss.peak_kb / 1024}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def child(args: argparse.Namespace) -> None:
+    """One measurement in this (fresh) process; prints one JSON line."""
+    os.environ["FEDACCEL_QUIET"] = "1"
+    ov = json.loads(args.child_overrides)
+    out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp: Path,
+            env: dict[str, str] | None) -> dict[str, Any]:
+    name = f"{workload}-{algo}-{mode}-{clients}"
+    ov = overrides(workload, algo, rounds, clients, tmp, name)
+    start = time.perf_counter()
+    if mode == "ray":
+        res = ray_run(ov, clients, env)
+    else:
+        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--child-overrides", json.dumps(ov),
+                               "--clients", str(clients)], capture_output=True, text=True, timeout=3600)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        res = json.loads(lines[-1][len("RESULT "):])
+        res["wall"] = time.perf_counter() - start
+    secs = res["round_seconds"]
+    middle = secs[1:-1] if len(secs) > 2 else secs
+    return {"workload": workload, "algo": algo, "mode": mode, "clients": clients, "rounds": rounds,
+            "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
+            "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
+            "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T")}
+
+
+def load(out: Path) -> list[dict[str, Any]]:
+    path = out / "results.jsonl"
+    if not path.is_file():
+        return []
+    latest: dict[tuple, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            latest[(r["workload"], r["algo"], r["mode"], r["clients"])] = r
+    return list(latest.values())
+
+
+def write_table(out: Path) -> None:
+    recs = load(out)
+    cells = {(r["workload"], r["algo"], r["mode"], r["clients"]): r for r in recs}
+    lines = ["# Per-round overhead: bare PyTorch loop vs fast runner vs Flower's Ray simulation", "",
+             "Seconds per round: median over rounds 2..R-1. Start-up: process wall time minus the rounds. "
+             "Peak RSS: bare/fast = the process's ru_maxrss; ray = peak of the summed RSS of every process "
+             "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once).", "",
+             "| workload | algo | bare s/round | fast s/round | ray s/round | fast/bare | ray/bare | "
+             "start-up bare / fast / ray (s) | peak RSS bare / fast / ray (MB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for w in WORKLOADS:
+        for a in ALGOS:
+            row = {m: cells.get((w, a, m, 100)) for m in MODES}
+            if not any(row.values()):
+                continue
+
+            def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
+                return fmt.format(row[m][key]) if row[m] else "-"
+
+            def ratio(m: str) -> str:
+                return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
+                    if row[m] and row["bare"] else "-"
+            lines.append(f"| {w} | {a} | {f('bare', 'median_round_s')} | {f('fast', 'median_round_s')} | "
+                         f"{f('ray', 'median_round_s')} | {ratio('fast')} | {ratio('ray')} | "
+                         f"{f('bare', 'startup_s', '{:.1f}')} / {f('fast', 'startup_s', '{:.1f}')} / "
+                         f"{f('ray', 'startup_s', '{:.1f}')} | {f('bare', 'peak_rss_mb', '{:.0f}')} / "
+                         f"{f('fast', 'peak_rss_mb', '{:.0f}')} / {f('ray', 'peak_rss_mb', '{:.0f}')} |")
+    evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}
+    if evals:
+        lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "
+                  + ", ".join(f"{w} {s:.2f} s" for w, s in evals.items()) + "."]
+    scale = sorted((r for r in recs if r["clients"] != 100 or r.get("scale")), key=lambda r: (r["algo"], r["clients"]))
+    if scale:
+        lines += ["", "## Scale (fast runner, mlp-synthetic)", "",
+                  "| algo | clients | s/round | start-up s | peak RSS MB |", "|---|---:|---:|---:|---:|"]
+        for r in scale:
+            lines.append(f"| {r['algo']} | {r['clients']} | {r['median_round_s']:.3f} | {r['startup_s']:.1f} | "
+                         f"{r['peak_rss_mb']:.0f} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--phase", choices=["run", "table"], default="run")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--scale", action="store_true",
+                   help="fast runner, mlp-synthetic, FedAvg and FedCDR at 100 and 1,000 clients")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
+    p.add_argument("--child", choices=["bare", "fast"], help=argparse.SUPPRESS)
+    p.add_argument("--child-overrides", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.phase == "run":
+        with tempfile.TemporaryDirectory(prefix="fedaccel-overhead-") as tmp:
+            env = ray_env(Path(tmp) / "flwr-home") if "ray" in args.modes and not args.scale else None
+            if args.scale:
+                cells = [("fast", "mlp-synthetic", a, n) for a in ("fedavg", "fedcdr") for n in (100, 1000)]
+            else:
+                cells = [(m, w, a, args.clients) for w in args.workloads for a in args.algos for m in args.modes]
+            for i, (mode, w, a, n) in enumerate(cells, 1):
+                rec = measure(mode, w, a, args.rounds, n, Path(tmp), env)
+                rec["scale"] = args.scale
+                with open(args.out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(f"[overhead] {i}/{len(cells)} {w} {a} {mode} n={n}: {rec['median_round_s']:.3f} s/round, "
+                      f"start-up {rec['startup_s']:.1f} s, peak RSS {rec['peak_rss_mb']:.0f} MB", flush=True)
+    write_table(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
