@@ -11,7 +11,9 @@ Used by ``scripts/deploy-local.sh`` and by ``tests/test_deployment.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +107,43 @@ class LocalDeployment:
         ], f"supernode-{index}.log")
         self.supernodes[index] = proc
         return proc
+
+    def node_status(self, node_id: int) -> str | None:
+        """``online``/``offline``/... as the SuperLink lists the node (None if unknown)."""
+        listing = json.loads(self.flwr("supernode", "list", "deployment", "--format", "json").stdout)
+        return next((n["status"] for n in listing.get("nodes", []) if int(n["node-id"]) == node_id), None)
+
+    def node_ids(self, index: int) -> list[int]:
+        """The node ids SuperNode ``index`` was given, one per successful start
+        (its log is appended to across restarts)."""
+        log = self.logs / f"supernode-{index}.log"
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        return [int(m) for m in re.findall(r"SuperNode ID: (\d+)", text)]
+
+    def restart_supernode(self, index: int, num_partitions: int, timeout: float = 150,
+                          retry_every: float = 3.0) -> int:
+        """Start SuperNode ``index`` again with the same key and node config, the
+        way a supervisor (systemd ``Restart=on-failure``) would; returns its node id.
+
+        After a crash the SuperLink still counts the old session as online until
+        two heartbeats are missed (up to ~60 s with flwr 1.41's 30 s interval)
+        and refuses to activate the same key meanwhile (code 2004, exit 305), so
+        this retries until a start is accepted."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            before = len(self.node_ids(index))
+            proc = self.start_supernode(index, num_partitions)
+            while proc.poll() is None and len(self.node_ids(index)) == before:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if len(self.node_ids(index)) > before:
+                return self.node_ids(index)[-1]
+            self._kill(proc)
+            proc.wait(timeout=10)
+            time.sleep(retry_every)
+        raise RuntimeError(f"SuperNode {index} was not accepted again within {timeout:.0f} s; "
+                           f"see {self.logs / f'supernode-{index}.log'}")
 
     def start(self, num_nodes: int) -> None:
         self.start_superlink()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -24,7 +24,7 @@ from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import arrays_to_tensors, evaluate, select_device, state_to_arrays
-from strategies.base import Federation, _last_line
+from strategies.base import Federation, query_partitions
 
 
 def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -> Federation:
@@ -41,15 +41,11 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
     while True:
         new = [n for n in grid.get_node_ids() if n not in partition_of]
         if new:
-            messages = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY)
-                        for node in new]
-            for reply in grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), 1.0)):
-                if reply.has_error():
-                    raise FederationError(
-                        f"node {reply.metadata.src_node_id} could not report its partition: "
-                        f"{_last_line(reply.error.reason)}")
-                rec = reply.content.config_records["partition"]
-                pid, n = int(rec["partition-id"]), int(rec["num-partitions"])
+            answers = query_partitions(grid, new, timeout=max(deadline - time.monotonic(), 1.0))
+            for node, answer in answers.items():
+                if isinstance(answer, str):
+                    raise FederationError(f"node {node} could not report its partition: {answer}")
+                pid, n = answer
                 if expected is not None and n != expected:
                     raise FederationError(
                         f"nodes disagree on num-partitions ({n} vs {expected}); "
@@ -57,7 +53,7 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
                 expected = n
                 if pid in partition_of.values():
                     raise FederationError(f"two nodes claim partition-id={pid}; each needs its own")
-                partition_of[reply.metadata.src_node_id] = pid
+                partition_of[node] = pid
         if expected is not None and len(partition_of) >= expected:
             return Federation({pid: node for node, pid in partition_of.items()})
         if time.monotonic() > deadline:

@@ -14,7 +14,10 @@ It leaves their aggregation untouched and adds what they lack:
   sent for training and received back);
 - ACCL: the unweighted mean over clients of the global model's accuracy on
   each client's local test split (FedRKMGC paper, "Evaluation Metrics");
-- a clear stop when every client of a round failed.
+- a clear stop when every client of a round failed;
+- a partition whose SuperNode comes back under a new node id (a restart
+  without SuperNode authentication) is followed to the new id
+  (:meth:`FedAccelStrategy.follow_restarted_nodes`).
 
 Selection works by handing Flower's ``configure_train`` a :class:`NodeSubset`
 grid whose ``get_node_ids()`` returns only the chosen nodes, with
@@ -30,7 +33,7 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -42,7 +45,11 @@ from fedaccel.torch_utils import derive_seed, payload_bytes
 
 @dataclass(frozen=True)
 class Federation:
-    """What the server learned about the clients: partition id <-> node id."""
+    """What the server learned about the clients: partition id <-> node id.
+
+    The partitions are fixed for the run; the node serving one may change
+    (:meth:`FedAccelStrategy.follow_restarted_nodes` updates the dict in place).
+    """
 
     node_of_partition: dict[int, int]
 
@@ -53,6 +60,26 @@ class Federation:
     @property
     def partition_of_node(self) -> dict[int, int]:
         return {node: pid for pid, node in self.node_of_partition.items()}
+
+
+def query_partitions(grid: Grid, node_ids: list[int], timeout: float) -> dict[int, tuple[int, int] | str]:
+    """Ask nodes which data partition they hold (one ``query`` message each).
+
+    Returns ``{node: (partition-id, num-partitions)}``, or the error's last line
+    for a node whose reply was an error; nodes that did not reply within
+    ``timeout`` seconds are missing from the result.
+    """
+    messages = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY)
+                for node in node_ids]
+    found: dict[int, tuple[int, int] | str] = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            found[node] = _last_line(reply.error.reason)
+            continue
+        rec = reply.content.config_records["partition"]
+        found[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))
+    return found
 
 
 class NodeSubset(Grid):
@@ -151,6 +178,10 @@ class FedAccelStrategy:
         self.global_arrays: ArrayRecord | None = None  # the model sent this round
         self.stateful = spec.solver.state_copies > 0
         self.trained: set[int] = set()  # partitions that have replied to a training round
+        # Node ids seen after discovery: claims waiting for the partition's old
+        # node to go offline (node -> partition id), and nodes that will not be used.
+        self._pending_nodes: dict[int, int] = {}
+        self._ignored_nodes: set[int] = set()
 
     # ------------------------------------------------------------- hooks
     def sample_cohort(self, server_round: int) -> list[int]:
@@ -202,10 +233,59 @@ class FedAccelStrategy:
         that was sent."""
         return super().aggregate_train(server_round, replies)  # type: ignore[misc]
 
+    # ---------------------------------------------------- node membership
+    def follow_restarted_nodes(self, grid: Grid) -> None:
+        """Hand a partition to a node id that appeared after discovery.
+
+        A SuperNode started without SuperNode authentication registers itself
+        with a fresh key on every start, so after a restart it holds the same
+        partition under a new node id, and the old id stays offline for good.
+        (With authentication the registered key fixes the node id and nothing
+        changes here.) Each new online node is asked once which partition it
+        holds; it takes over that partition as soon as the partition's old node
+        is offline (a crashed SuperNode counts as online for up to ~60 s). A
+        node that claims a partition whose node stays online, that reports
+        another ``num-partitions``, or that does not answer is never used.
+        """
+        online = list(grid.get_node_ids())
+        known = self.federation.partition_of_node
+        new = [n for n in online
+               if n not in known and n not in self._pending_nodes and n not in self._ignored_nodes]
+        if new:
+            timeout = min(self.run_cfg.round_timeout, 120.0)
+            found = query_partitions(grid, new, timeout)
+            for node in new:
+                answer = found.get(node, f"no answer within {timeout:g} s")
+                if isinstance(answer, str):
+                    log(WARNING, "node %s joined during the run but could not report its "
+                        "partition (%s); it is not used", node, answer)
+                    self._ignored_nodes.add(node)
+                elif answer[1] != self.federation.num_clients or answer[0] not in self.federation.node_of_partition:
+                    log(WARNING, "node %s joined during the run with partition-id=%s "
+                        "num-partitions=%s, which is not a partition of this run (%s clients); "
+                        "it is not used", node, answer[0], answer[1], self.federation.num_clients)
+                    self._ignored_nodes.add(node)
+                else:
+                    self._pending_nodes[node] = answer[0]
+                    log(INFO, "[fedaccel] node %s joined during the run with partition %s; it "
+                        "takes the partition over once node %s is offline", node, answer[0],
+                        self.federation.node_of_partition[answer[0]])
+        online_set = set(online)
+        for node, pid in sorted(self._pending_nodes.items()):
+            old = self.federation.node_of_partition[pid]
+            if node not in online_set or old in online_set:
+                continue  # wait: the new node went away, or the old one is still online
+            self.federation.node_of_partition[pid] = node
+            del self._pending_nodes[node]
+            log(INFO, "[fedaccel] partition %s is now served by node %s (node %s went offline; "
+                "a restarted SuperNode without SuperNode authentication gets a new node id)",
+                pid, node, old)
+
     # ------------------------------------------------------------ training
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.follow_restarted_nodes(grid)
         cohort = self.sample_cohort(server_round)
         log_ = self.rounds.setdefault(server_round, RoundLog())
         log_.sampled = list(cohort)

@@ -93,3 +93,89 @@ def test_killed_supernode_does_not_hang_the_run(deployment):
     assert metrics[0]["clients"] == 2
     assert all(r["clients"] == 1 and r["failures"] == 1 for r in metrics[1:])
     assert "results written to" in out
+
+
+def count_rows(path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_disk_client_state_survives_a_supernode_crash_and_restart(tmp_path):
+    """FedCDR on its own SuperLink and 2 SuperNodes, two runs at once: one with
+    ``client-state='disk'``, one with ``'context'``. After round 1 SuperNode 1
+    is killed (SIGKILL) and started again with the same key and node config.
+
+    - The SuperLink refuses the key while the crashed session still counts as
+      online (code 2004, up to ~60 s), then takes it back under the *same*
+      node id (the registered key fixes it), so the running ServerApps keep
+      sampling it and partition 1 trains again.
+    - Disk state: partition 1 finds its state, ``state_lost`` stays 0.
+    - Context state: partition 1 comes back empty, ``state_lost`` is 1 once.
+    """
+    dep = LocalDeployment(tmp_path / "deploy", port=9401, clientapp_port=9404)
+    modes = ("disk", "context")
+    rounds = 5
+    procs = {}
+    try:
+        dep.start(2)
+        for mode in modes:
+            # round-timeout is only a safety net here: a round waiting on the
+            # dead SuperNode ends when the SuperLink declares it offline.
+            procs[mode] = dep.run_async(
+                f"algo='fedcdr' num-server-rounds={rounds} round-timeout=120.0 "
+                f"client-state='{mode}' state-dir='{tmp_path / 'state'}' run-name='restart-{mode}' "
+                f"{SMALL}")
+        files = {mode: dep.results / f"restart-{mode}" / "metrics.jsonl" for mode in modes}
+        deadline = time.monotonic() + 300
+        while not all(count_rows(f) >= 1 for f in files.values()):
+            assert time.monotonic() < deadline, "round 1 did not finish"
+            assert all(p.poll() is None for p in procs.values()), "a run stopped early"
+            time.sleep(0.3)
+        node_id = dep.node_ids(1)[0]
+        dep.kill_supernode(1)
+        at_kill = {mode: count_rows(f) for mode, f in files.items()}
+        assert max(at_kill.values()) <= rounds - 3, at_kill  # rounds left after the restart
+
+        # Restarted at once (as a supervisor would): refused while the crashed
+        # session counts as online.
+        refused = dep.start_supernode(1, 2)
+        assert refused.wait(timeout=60) != 0
+        assert "code: 2004" in (dep.logs / "supernode-1.log").read_text()
+        while dep.node_status(node_id) == "online":
+            assert time.monotonic() < deadline, "the SuperLink never declared SuperNode 1 offline"
+            time.sleep(1)
+        # The servers poll every 3 s: let them see the dead node's round fail
+        # (node unavailable) before it is back, or that round waits for the timeout.
+        time.sleep(5)
+        assert dep.restart_supernode(1, 2) == node_id  # same key -> same node id
+        superlink_log = (dep.logs / "superlink.log").read_text()
+        assert superlink_log.count(f"Activated node_id={node_id}") == 2
+
+        outs = {mode: proc.communicate(timeout=300)[0] for mode, proc in procs.items()}
+        for mode in modes:
+            assert procs[mode].returncode == 0, outs[mode][-3000:]
+            assert "results written to" in outs[mode]
+            metrics = rows(files[mode].parent)
+            assert [r["round"] for r in metrics] == list(range(1, rounds + 1))
+            assert sum(r["failures"] for r in metrics) >= 1  # rounds missed while it was down
+            # Partition 1 trains again after the restart (same node id).
+            assert metrics[-1]["clients"] == 2 and metrics[-1]["failures"] == 0, metrics
+        disk, context = (rows(files[m].parent) for m in modes)
+        assert [r["state_lost"] for r in disk] == [0] * rounds
+        assert "lost its fedcdr state" not in outs["disk"]
+        lost = [r["round"] for r in context if r["state_lost"]]
+        assert len(lost) == 1 and lost[0] > at_kill["context"], context
+        assert [r["state_lost"] for r in context if r["round"] != lost[0]] == [0] * (rounds - 1)
+        assert "client 1 had lost its fedcdr state" in outs["context"]
+        # ... and the client said so once, in the context run only.
+        assert (dep.logs / "supernode-1.log").read_text().count("its state is gone") == 1
+        # The disk state lives under state-dir/run-<id>/client-<partition>.
+        (run_dir,) = (tmp_path / "state").iterdir()
+        for pid in (0, 1):
+            assert (run_dir / f"client-{pid}" / "dr.npz").is_file()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        dep.stop()
+        assert dep.superlink is None and not dep.supernodes
