@@ -174,7 +174,8 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
             for pid in ids:
                 x, y = train[pid]
                 model.load_state_dict(glob)
-                factors = {n: foof.damped_cholesky(a, damping) for n, a in foof.compute_foof(model, x).items()}
+                factors = {n: foof.damped_cholesky(a, damping).float()
+                           for n, a in foof.compute_foof(model, x).items()}
 
                 def precondition() -> None:
                     for n, module in layers.items():
