@@ -217,8 +217,9 @@ def write_outputs(args: argparse.Namespace) -> None:
         "over the seeds that reached it (k of n). 'last 10 rounds': mean of the evaluations in the "
         "last 10 rounds. Total MB: up + down over the run. s/round: median seconds of the rounds "
         "without a server evaluation (local training + aggregation; '-' once the run folders are "
-        f"gone); s/run: wall time of the whole run incl. start-up and evaluations ({args.jobs} runs at "
-        "a time on 2 shared CPU cores).", "",
+        "gone); s/run: wall time of the whole run incl. start-up and evaluations. Both are on 2 CPU "
+        "cores shared with other runs (the load varied), so they compare methods only roughly; "
+        "bench/overhead.py measures cost on a quiet machine.", "",
     ]
     head = ["| method | n | final % | last 10 rounds % | "
             f"rounds to {100 * args.target:.0f}% (k/n) | rounds to {100 * args.target2:.0f}% (k/n) | "

@@ -94,6 +94,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from apps.server_app import app as server_app
     from fedaccel.local_grid import LocalGrid
 
+    previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
@@ -105,6 +106,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     finally:
         shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
                       ignore_errors=True)
+        FLOWER_LOGGER.setLevel(previous_level)  # the caller's logging is not ours to change
         if previous is None:
             del os.environ["FEDACCEL_QUIET"]
         else:

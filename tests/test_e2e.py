@@ -68,6 +68,20 @@ def test_learning_happens(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_run_local_leaves_the_callers_flower_log_level_alone(tmp_path):
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER
+
+    before = FLOWER_LOGGER.level
+    FLOWER_LOGGER.setLevel(logging.DEBUG)
+    try:
+        run_local(small_config(tmp_path, **{"num-server-rounds": 1}), num_clients=4, quiet=True)
+        assert FLOWER_LOGGER.level == logging.DEBUG
+    finally:
+        FLOWER_LOGGER.setLevel(before)
+
+
 def test_same_seed_same_results_different_seed_different(tmp_path):
     def run(seed, name):
         run_dir = run_local(small_config(tmp_path, seed=seed, **{"run-name": name}),
