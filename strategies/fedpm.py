@@ -10,12 +10,14 @@ counted in bytes_up); the server mixes each layer as
 
 from __future__ import annotations
 
+import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver
 from fedaccel.config import RunConfig, config_error
+from fedaccel.errors import RoundFailedError
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.preconditioned_mixing import preconditioned_mix
@@ -55,7 +57,16 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
             packed = {k: a.numpy() for k, a in content[PRECOND_KEY].items()}
             n = float(content["metrics"][self.weighted_by_key])
             clients.append((arrays, packed, n))
-        mixed = preconditioned_mix(clients, float(self.run_cfg.algo_params.damping))
+        damping = float(self.run_cfg.algo_params.damping)
+        try:
+            mixed = preconditioned_mix(clients, damping)
+        except ValueError as err:  # not positive definite: stop with one line, not a traceback
+            largest = max(float(np.abs(v).max()) for _, pre, _ in clients for v in pre.values())
+            raise RoundFailedError(
+                f"round {server_round}: {err} (damping {damping:g}, largest preconditioner entry "
+                f"{largest:.3g}). Huge entries mean a client's training diverged: lower lr "
+                f"(second-order steps need a smaller one at strong heterogeneity) or raise "
+                f"{self.run_cfg.algo}.damping") from None
         new = ArrayRecord({k: Array(v) for k, v in mixed.items()})
         metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
         return new, metrics

@@ -284,3 +284,35 @@ def test_exact_mode_is_a_global_newton_step_and_converges_superlinearly():
     avg_ratios = [b / a for a, b in zip(avg_errors, avg_errors[1:])]
     assert min(avg_ratios[5:]) > 0.5, avg_ratios
     assert avg_errors[-1] > 1e3 * errors[4]
+
+
+def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in_one_line(server_identity):
+    """A diverged (or malformed) client whose preconditioner makes the damped sum
+    indefinite stops the run with a RoundFailedError naming the fix, not a
+    ValueError traceback from the Cholesky factorisation."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedaccel.errors import RoundFailedError
+    from fedaccel.registry import get_algorithm
+    from strategies.base import Federation
+    from tests.fakes import StubGrid
+
+    cfg = parse_run_config(fuse(default_run_config(), {"algo": "fedpm", "clients-per-round": 2}))
+    strategy = get_algorithm("fedpm").build_strategy(cfg, Federation({0: 11, 1: 12}))
+    model = ArrayRecord({"fc.weight": Array(np.ones((2, 2), dtype=np.float32)),
+                         "fc.bias": Array(np.zeros(2, dtype=np.float32))})
+    msgs = list(strategy.configure_train(1, model, ConfigRecord(), StubGrid([11, 12])))
+    replies = []
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+        precond = -5.0 * np.eye(3, dtype=np.float32)  # indefinite even after damping 1
+        replies.append(Message(RecordDict({
+            "arrays": model,
+            "metrics": MetricRecord({"num-examples": 10, "train-loss": 1.0}),
+            PRECOND_KEY: ArrayRecord({"fc": Array(foof.pack_upper(torch.from_numpy(precond)).numpy())}),
+        }), reply_to=m))
+    with pytest.raises(RoundFailedError) as info:
+        strategy.aggregate_train(1, replies)
+    msg = str(info.value)
+    assert "round 1" in msg and "not positive definite" in msg and "fedpm.damping" in msg
+    assert "\n" not in msg
