@@ -82,6 +82,11 @@ METHODS: dict[str, dict[str, Any]] = {
                     "localnewton.foof-samples": FOOF_SAMPLES, "localnewton.refresh-every": 0},
     "FedPM": {"algo": "fedpm", "lr": 0.3, "fedpm.damping": 1.0, "fedpm.foof-samples": FOOF_SAMPLES,
               "fedpm.refresh-every": 0},
+    # the lower end of the paper's tuned range, for settings where lr 0.3 diverges
+    "FedPM (lr 0.1)": {"algo": "fedpm", "lr": 0.1, "fedpm.damping": 1.0, "fedpm.foof-samples": FOOF_SAMPLES,
+                       "fedpm.refresh-every": 0},
+    "LocalNewton (lr 0.1)": {"algo": "localnewton", "lr": 0.1, "localnewton.damping": 1.0,
+                             "localnewton.foof-samples": FOOF_SAMPLES, "localnewton.refresh-every": 0},
 }
 DEFAULT_METHODS = ["FedAvg", "FedAvg (lr 0.1)", "FedAvgM", "SCAFFOLD", "FedAdam", "LocalNewton", "FedPM"]
 LR_GRID: dict[str, list[float]] = {  # --phase lr
