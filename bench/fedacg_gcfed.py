@@ -30,7 +30,6 @@ are (re)written from ``runs.jsonl``. Run folders go to ``--run-dir`` (default /t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -98,8 +97,7 @@ def make_run(args, phase: str, method: str, seed: int, rounds: int, lr: float, m
     ident = {k: ov[k] for k in ID_KEYS if k in ov}
     ident.update({"phase": phase, "method": method, "num-clients": args.clients})
     key = run_key(ident)
-    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
-    name = f"{slug}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    name = runner.run_folder_name(method, f"s{seed}", key)
     return {"id": ident, "key": key, "name": name, "overrides": ov, "num_clients": args.clients}
 
 
@@ -207,7 +205,6 @@ def plot_curves(main, mom, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     panels = [(t, [(m, [r for r in main if r["method"] == m]) for m in ms]) for t, ms in GROUPS.items()]
     if mom:
@@ -223,10 +220,7 @@ def plot_curves(main, mom, path: Path) -> None:
         for k, (label, sel) in enumerate(series):
             if not sel:
                 continue
-            n = min(len(r["accg_curve"]) for r in sel)
-            arr = np.array([[v for _, v in r["accg_curve"][:n]] for r in sel]) * 100
-            x = [rd for rd, _ in sel[0]["accg_curve"][:n]]
-            mean, std = arr.mean(0), arr.std(0)
+            x, mean, std = runner.mean_curve(sel)
             ax.plot(x, mean, label=f"{label} (n={len(sel)})", lw=1.2, ls=("-", "--", ":", "-.")[k % 4])
             if len(sel) > 1:
                 ax.fill_between(x, mean - std, mean + std, alpha=0.12)

@@ -306,7 +306,6 @@ def plot_curves(recs, path: Path, panels, panel_key, panel_title, series) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, p in zip(axes[0], panels):
@@ -314,10 +313,7 @@ def plot_curves(recs, path: Path, panels, panel_key, panel_title, series) -> Non
             sel = [r for r in recs if r[panel_key] == p and r["method"] == m]
             if not sel:
                 continue
-            n = min(len(r["accg_curve"]) for r in sel)
-            arr = np.array([[v for _, v in r["accg_curve"][:n]] for r in sel]) * 100
-            x = [rd for rd, _ in sel[0]["accg_curve"][:n]]
-            mean, std = arr.mean(0), arr.std(0)
+            x, mean, std = runner.mean_curve(sel)
             ax.plot(x, mean, label=f"{m} (n={len(sel)})", lw=1.2)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2)
         ax.set_title(panel_title(p))

@@ -53,7 +53,6 @@ script runs again (resumable); ``table.md`` and ``curves.png`` are rewritten at 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -120,8 +119,7 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int,
     ident.update({k: ov[k] for k in METHODS[method]})
     ident.update({"lr": ov["lr"], "method": method, "num-clients": args.clients, "phase": phase})
     key = json.dumps(ident, sort_keys=True)
-    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
-    name = f"{slug}-a{alpha}-s{seed}-lr{ov['lr']}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    name = runner.run_folder_name(method, f"a{alpha}-s{seed}-lr{ov['lr']}", key)
     return {"id": ident, "key": key, "name": name, "overrides": ov, "num_clients": args.clients}
 
 
@@ -256,7 +254,6 @@ def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cols = len(panels)
     fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 8.4), squeeze=False)
@@ -265,13 +262,10 @@ def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path:
             ok = [r for r in sel if r["accg_curve"]]
             if not ok:
                 continue
-            n = min(len(r["accg_curve"]) for r in ok)
-            arr = np.array([[v for _, v in r["accg_curve"][:n]] for r in ok]) * 100
-            x = np.array([rd for rd, _ in ok[0]["accg_curve"][:n]], dtype=float)
+            x, mean, std = runner.mean_curve(ok)
             mb_per_round = statistics.fmean(r["total_mb"] / r["num-server-rounds"]
                                             for r in ok if r.get("total_mb") is not None) \
                 if any(r.get("total_mb") is not None for r in ok) else None
-            mean, std = arr.mean(0), arr.std(0)
             failed = sum(1 for r in sel if r.get("error"))
             tag = f"{label} (n={len(ok)}{', %d failed' % failed if failed else ''})"
             style = dict(lw=1.3, ls=("-", "--", ":", "-.")[k % 4], color=f"C{k}")

@@ -25,7 +25,6 @@ script runs again (resumable); ``table.md`` and ``curves.png`` are rewritten at 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -73,8 +72,7 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int) -> 
     ident = {k: ov[k] for k in ID_KEYS if k in ov}
     ident.update({"method": method, "num-clients": args.clients})
     key = json.dumps(ident, sort_keys=True)
-    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
-    name = f"{slug}-a{alpha}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    name = runner.run_folder_name(method, f"a{alpha}-s{seed}", key)
     return {"id": ident, "key": key, "name": name, "overrides": ov, "num_clients": args.clients}
 
 
@@ -145,7 +143,6 @@ def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cols = 2
     rows = (len(panels) + cols - 1) // cols
@@ -155,10 +152,7 @@ def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path:
             ok = [r for r in sel if not r.get("error")]
             if not ok:
                 continue
-            n = min(len(r["accg_curve"]) for r in ok)
-            arr = np.array([[v for _, v in r["accg_curve"][:n]] for r in ok]) * 100
-            x = [rd for rd, _ in ok[0]["accg_curve"][:n]]
-            mean, std = arr.mean(0), arr.std(0)
+            x, mean, std = runner.mean_curve(ok)
             ax.plot(x, mean, label=f"{label} (n={len(ok)})", lw=1.2, ls=("-", "--", ":", "-.")[k % 4])
             if len(ok) > 1:
                 ax.fill_between(x, mean - std, mean + std, alpha=0.12)

@@ -10,6 +10,7 @@ records of all jobs, so an interrupted benchmark resumes where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -134,3 +135,20 @@ def rounds_to_cell(recs: list[dict[str, Any]], target: float) -> str:
         return f"> {recs[0]['num-server-rounds']} (0/{len(recs)})"
     std = f" ± {statistics.stdev(hit):.1f}" if len(hit) > 1 else ""
     return f"{statistics.fmean(hit):.1f}{std} ({len(hit)}/{len(recs)})"
+
+
+def run_folder_name(label: str, tags: str, key: str) -> str:
+    """A run folder's name: the label made path-safe, the tags, and a hash of the run's key."""
+    slug = "".join(c if c.isalnum() else "_" for c in label).strip("_")
+    return f"{slug}-{tags}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def mean_curve(recs: list[dict[str, Any]]):
+    """Evaluated rounds and the mean and std (over runs, %) of their accuracy
+    curves, cut to the shortest curve (a failed run's ends early)."""
+    import numpy as np
+
+    n = min(len(r["accg_curve"]) for r in recs)
+    arr = np.array([[v for _, v in r["accg_curve"][:n]] for r in recs]) * 100
+    x = np.array([rd for rd, _ in recs[0]["accg_curve"][:n]], dtype=float)
+    return x, arr.mean(0), arr.std(0)
