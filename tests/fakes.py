@@ -49,3 +49,17 @@ def heterogeneous_least_squares(n: int = 10, d: int = 5, m: int = 20, seed: int 
     H = [a.T @ a / m for a in A]
     c = [a.T @ (a @ wi) / m for a, wi in zip(A, w)]
     return H, c, np.linalg.solve(sum(H), sum(c)), w
+
+
+def quadratic_local_steps(solver, model, lr: float, h, c, steps: int) -> None:
+    """``steps`` local steps of ``solver`` on f(z) = 0.5 z^T h z - c^T z for a
+    one-row linear ``model`` (exact gradient, then the solver's gradient hook,
+    then its optimizer), after the caller's ``begin_round``."""
+    import torch
+
+    opt = solver.make_optimizer(model, lr)
+    for _ in range(steps):
+        z = model.weight.detach().numpy()[0]
+        model.weight.grad = torch.tensor((h @ z - c)[None])
+        solver.transform_gradients(model)
+        opt.step()

@@ -295,7 +295,7 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     from fedaccel.errors import RoundFailedError
     from fedaccel.registry import get_algorithm
     from strategies.base import Federation
-    from tests.fakes import StubGrid
+    from fakes import StubGrid
 
     cfg = parse_run_config(fuse(default_run_config(), {"algo": "fedpm", "clients-per-round": 2}))
     strategy = get_algorithm("fedpm").build_strategy(cfg, Federation({0: 11, 1: 12}))

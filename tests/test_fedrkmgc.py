@@ -34,7 +34,7 @@ from strategies.base import FedAccelStrategy, Federation
 from strategies.fedavg import FedAvgStrategy
 from strategies.server_steps import RelaxedAggregation, relax
 
-from fakes import StubGrid, heterogeneous_least_squares
+from fakes import StubGrid, heterogeneous_least_squares, quadratic_local_steps
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 
@@ -284,12 +284,7 @@ def real_solver(lsq, variant, beta, rho=1.5, rounds=15, lr=0.05, steps=5):
             with torch.no_grad():
                 model.weight.copy_(torch.tensor(x[None]))
             solver.begin_round(model, {"server-round": r}, states[i])
-            opt = solver.make_optimizer(model, lr)
-            for _ in range(steps):
-                z = model.weight.detach().numpy()[0]
-                model.weight.grad = torch.tensor((H[i] @ z - c[i])[None])
-                solver.transform_gradients(model)
-                opt.step()
+            quadratic_local_steps(solver, model, lr, H[i], c[i], steps)
             solver.end_round(model, states[i])
             ys.append(model.weight.detach().numpy()[0].copy())
         x = relax(x, np.mean(ys, axis=0), solver.cfg.algo_params.effective_rho)

@@ -30,7 +30,7 @@ from strategies.base import Federation
 from strategies.feddyn import h_update, server_model
 from strategies.scaffold import control_step, model_step
 
-from fakes import StubGrid, heterogeneous_least_squares
+from fakes import StubGrid, heterogeneous_least_squares, quadratic_local_steps
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 
@@ -226,12 +226,7 @@ def run(lsq, algo, rounds, momentum=0.0, lr=0.05, steps=5, **params):
             config = {"server-round": r, "lr": lr}
             solver.received = {C_RECORD: control_variate_record({"weight": cv[None]})}
             solver.begin_round(model, config, states[i])
-            opt = solver.make_optimizer(model, lr)
-            for _ in range(steps):
-                z = model.weight.detach().numpy()[0]
-                model.weight.grad = torch.tensor((H[i] @ z - c[i])[None])
-                solver.transform_gradients(model)
-                opt.step()
+            quadratic_local_steps(solver, model, lr, H[i], c[i], steps)
             extra = solver.end_round(model, states[i])
             ys.append(model.weight.detach().numpy()[0].copy())
             if DC_RECORD in extra:
