@@ -34,6 +34,7 @@ from flwr.app import ArrayRecord
 
 from clients.base import LocalSolver
 from clients.state import ClientState
+from fedaccel.arrays import tensors_to_record
 
 T = TypeVar("T")
 
@@ -117,4 +118,4 @@ class DouglasRachfordSolver(LocalSolver):
             saved[f"y.{k}"], saved[f"x.{k}"], saved[f"xhat.{k}"] = self.y[k], x_new[k], xhat_new[k]
         state.put("dr", saved)
         self._pairs = []
-        return ArrayRecord(g)
+        return tensors_to_record(g)

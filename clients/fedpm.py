@@ -52,6 +52,7 @@ from flwr.app import ArrayRecord
 from clients import foof
 from clients.base import LocalResult, LocalSolver, TrainData
 from clients.state import ClientState
+from fedaccel.arrays import tensors_to_record
 from fedaccel.config import require
 
 PRECOND_KEY = "fedpm.precond"
@@ -166,7 +167,7 @@ class FedPMSolver(LocalSolver):
         if not self.uploads_preconditioners:
             return {}
         packed = OrderedDict((name, foof.pack_upper(m).to(dtype).cpu()) for name, m in matrices.items())
-        return {PRECOND_KEY: ArrayRecord(packed)}
+        return {PRECOND_KEY: tensors_to_record(packed)}
 
     # ----------------------------------------------------------- FOOF
     def _refresh(self, model: torch.nn.Module) -> None:

@@ -27,7 +27,9 @@ from typing import Mapping, Protocol
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import RecordDict
+
+from fedaccel.arrays import record_to_tensors, tensors_to_record
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -56,15 +58,13 @@ class ContextState:
         key = f"fedaccel.{name}"
         if key not in self.record.array_records:
             return None
-        return OrderedDict((k, torch.from_numpy(a.numpy()).to(device))
-                           for k, a in self.record.array_records[key].items())
+        return record_to_tensors(self.record.array_records[key], device)
 
     def is_empty(self) -> bool:
         return not any(k.startswith("fedaccel.") for k in self.record.array_records)
 
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.record[f"fedaccel.{name}"] = ArrayRecord(
-            OrderedDict((k, Array(v.detach().cpu().numpy())) for k, v in tensors.items()))
+        self.record[f"fedaccel.{name}"] = tensors_to_record(tensors)
 
 
 class DiskState:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
+
+from fedaccel.arrays import record_to_tensors, tensors_to_record
 
 
 def select_device(name: str) -> torch.device:
@@ -41,16 +42,12 @@ def seeded_generator(*parts: int | str) -> torch.Generator:
 
 def state_to_arrays(model: torch.nn.Module) -> ArrayRecord:
     """The model's state dict as an ArrayRecord (copied to CPU)."""
-    return ArrayRecord(
-        OrderedDict((k, v.detach().cpu()) for k, v in model.state_dict().items())
-    )
+    return tensors_to_record(model.state_dict())
 
 
 def arrays_to_tensors(arrays: ArrayRecord, device: torch.device) -> OrderedDict[str, torch.Tensor]:
     """ArrayRecord -> ordered dict of tensors on ``device`` (fresh copies)."""
-    return OrderedDict(
-        (k, torch.from_numpy(np.asarray(a.numpy())).to(device)) for k, a in arrays.items()
-    )
+    return record_to_tensors(arrays, device)
 
 
 def payload_bytes(arrays: ArrayRecord) -> int:

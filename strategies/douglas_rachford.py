@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.douglas_rachford import server_step
+from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig, config_error, require
 from strategies.base import FedAccelStrategy, Federation
 
@@ -54,17 +55,17 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
     def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
         """x0; zero with ``init='zeros'`` so that x = mean(xhat) holds from the start."""
         if self.run_cfg.algo_params.init == "zeros":
-            return ArrayRecord({k: Array(np.zeros_like(a.numpy())) for k, a in arrays.items()})
+            return numpy_to_record({k: np.zeros_like(v) for k, v in record_to_numpy(arrays).items()})
         return arrays
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         assert self.global_arrays is not None
-        g_sum = {k: np.zeros_like(a.numpy()) for k, a in self.global_arrays.items()}
+        x = record_to_numpy(self.global_arrays)
+        g_sum = {k: np.zeros_like(v) for k, v in x.items()}
         for reply in replies:
-            for k, a in reply.content["arrays"].items():
-                g_sum[k] += a.numpy()
+            for k, v in record_to_numpy(reply.content["arrays"]).items():
+                g_sum[k] += v
         n = self.federation.num_clients
-        new = ArrayRecord({k: Array(np.asarray(server_step(a.numpy(), g_sum[k], n)))
-                           for k, a in self.global_arrays.items()})
+        new = numpy_to_record({k: np.asarray(server_step(v, g_sum[k], n)) for k, v in x.items()})
         metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
         return new, metrics

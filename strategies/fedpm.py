@@ -11,11 +11,12 @@ counted in bytes_up); the server mixes each layer as
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver
+from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import RoundFailedError
 from fedaccel.registry import AlgorithmSpec
@@ -53,8 +54,8 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
             content = reply.content
             if PRECOND_KEY not in content.array_records:
                 raise ValueError(f"round {server_round}: a FedPM reply has no {PRECOND_KEY!r} record")
-            arrays = {k: a.numpy() for k, a in content["arrays"].items()}
-            packed = {k: a.numpy() for k, a in content[PRECOND_KEY].items()}
+            arrays = record_to_numpy(content["arrays"])
+            packed = record_to_numpy(content[PRECOND_KEY])
             n = float(content["metrics"][self.weighted_by_key])
             clients.append((arrays, packed, n))
         damping = float(self.run_cfg.algo_params.damping)
@@ -67,7 +68,7 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
                 f"{largest:.3g}). Huge entries mean a client's training diverged: lower lr "
                 f"(second-order steps need a smaller one at strong heterogeneity) or raise "
                 f"{self.run_cfg.algo}.damping") from None
-        new = ArrayRecord({k: Array(v) for k, v in mixed.items()})
+        new = numpy_to_record(mixed)
         metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
         return new, metrics
 

@@ -36,7 +36,7 @@ from clients import foof
 
 
 def _t(a) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(a), dtype=torch.float64)
+    return torch.from_numpy(np.array(a, dtype=np.float64))  # a copy: views may be read-only
 
 
 def layer_matrix(arrays: Mapping[str, np.ndarray], layer: str) -> tuple[torch.Tensor, list[str]]:

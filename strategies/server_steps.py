@@ -20,8 +20,11 @@ from __future__ import annotations
 from typing import Any, Mapping, TypeVar
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fedaccel import arrays as arrays_codec
+from fedaccel.arrays import to_numpy
 
 T = TypeVar("T")
 
@@ -34,14 +37,16 @@ def relax(theta: T, theta_tilde: T, rho: float) -> T:
 
 
 def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
-    return {k: np.asarray(a.numpy()) for k, a in record.items()}
+    """Read-only NumPy views of a record's arrays (:func:`fedaccel.arrays.to_numpy`)."""
+    return arrays_codec.record_to_numpy(record)
 
 
 def numpy_to_record(arrays: Mapping[str, np.ndarray], like: ArrayRecord | None = None) -> ArrayRecord:
     """An ArrayRecord of ``arrays``, cast to ``like``'s dtypes when given."""
     if like is None:
-        return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
-    return ArrayRecord({k: Array(np.asarray(arrays[k]).astype(a.numpy().dtype)) for k, a in like.items()})
+        return arrays_codec.numpy_to_record(arrays)
+    return arrays_codec.numpy_to_record({k: np.asarray(arrays[k]).astype(a.dtype, copy=False)
+                                         for k, a in like.items()})
 
 
 def plain_mean(replies: list[Message], record: str = "arrays") -> dict[str, np.ndarray]:
@@ -51,7 +56,7 @@ def plain_mean(replies: list[Message], record: str = "arrays") -> dict[str, np.n
     total: dict[str, np.ndarray] = {}
     for reply in replies:
         for k, a in reply.content[record].items():
-            v = np.asarray(a.numpy(), dtype=np.float64)
+            v = np.asarray(to_numpy(a), dtype=np.float64)
             total[k] = total[k] + v if k in total else v.copy()
     return {k: v / len(replies) for k, v in total.items()}
 

@@ -1,0 +1,101 @@
+"""The fast Array codecs (fedaccel.arrays) against Flower's own conversions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAdam, FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+from fedaccel.arrays import from_numpy, from_tensor, record_to_tensors, tensors_to_record, to_numpy
+from strategies.base import FedAccelStrategy, _next_aggregate_train, weighted_mean_of_replies
+
+SAMPLES = [
+    np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+    np.array(2.5),  # 0-d
+    np.arange(5, dtype=np.int64),
+    np.ones((3, 0, 2), np.float16),
+    np.array([True, False]),
+    np.arange(6, dtype=np.float64).reshape(2, 3).T,  # Fortran order
+    np.arange(40, dtype=np.float32).reshape(4, 10)[:, ::2],  # not contiguous
+    np.arange(4, dtype=np.complex64),
+]
+
+
+@pytest.mark.parametrize("values", SAMPLES, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_from_numpy_writes_the_bytes_flower_writes_and_to_numpy_reads_them(values):
+    ours, flowers = from_numpy(values), Array(values)
+    assert (ours.dtype, ours.shape, ours.stype, ours.data) == \
+        (flowers.dtype, flowers.shape, flowers.stype, flowers.data)
+    back = to_numpy(flowers)
+    assert back.dtype == values.dtype and back.shape == values.shape
+    np.testing.assert_array_equal(back, values)
+    np.testing.assert_array_equal(back, flowers.numpy())
+
+
+def test_to_numpy_is_a_read_only_view_of_the_payload():
+    array = Array(np.arange(6, dtype=np.float32))
+    view = to_numpy(array)
+    assert not view.flags.writeable and not view.flags.owndata
+    with pytest.raises(ValueError):
+        view[0] = 1.0
+
+
+def test_a_payload_that_disagrees_with_the_array_fields_goes_through_np_load():
+    """The fast path is taken only when the header says what the fields say;
+    otherwise Flower's np.load decides (here: the header's shape wins)."""
+    values = np.arange(6, dtype=np.float32)
+    lying = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=Array(values).data)
+    assert to_numpy(lying).shape == (6,)  # what Array.numpy() gives
+    truncated = Array(dtype="float32", shape=(6,), stype="numpy.ndarray", data=Array(values).data[:-4])
+    with pytest.raises(ValueError):
+        to_numpy(truncated)  # np.load's own error
+    other = Array(dtype="float32", shape=(6,), stype="torch.tensor", data=b"x")
+    with pytest.raises(TypeError, match="Unsupported serialization type"):
+        to_numpy(other)
+
+
+def test_tensor_round_trip_gives_fresh_writable_tensors():
+    tensors = {"w": torch.randn(3, 2), "b": torch.arange(3)}
+    record = tensors_to_record(tensors)
+    assert list(record.keys()) == ["w", "b"]
+    assert record["w"].data == Array(tensors["w"].numpy()).data
+    back = record_to_tensors(record)
+    for k in tensors:
+        assert torch.equal(back[k], tensors[k]) and back[k].dtype == tensors[k].dtype
+    back["w"].add_(1.0)  # writable, and not the record's memory
+    assert torch.equal(torch.from_numpy(record["w"].numpy()), tensors["w"])
+    assert from_tensor(tensors["b"]).data == Array(tensors["b"].numpy()).data
+
+
+def _replies(rng, n=4):
+    out = []
+    for i in range(n):
+        arrays = ArrayRecord({"w": Array(rng.standard_normal((5, 3)).astype(np.float32)),
+                              "b": Array(rng.standard_normal(3).astype(np.float32)),
+                              "s": Array(np.asarray(rng.standard_normal(), dtype=np.float64))})
+        metrics = MetricRecord({"num-examples": int(rng.integers(1, 100))})
+        out.append(RecordDict({"arrays": arrays, "metrics": metrics}))
+    return out
+
+
+def test_weighted_mean_of_replies_is_bit_identical_to_flowers():
+    contents = _replies(np.random.default_rng(0))
+    ours = weighted_mean_of_replies(contents, "num-examples")
+    flowers = aggregate_arrayrecords(contents, "num-examples")
+    assert list(ours.keys()) == list(flowers.keys())
+    for k in flowers:
+        assert ours[k].data == flowers[k].data, k  # same bytes: same dtype, shape and values
+
+
+def test_the_fast_mean_replaces_only_flowers_plain_fedavg():
+    class OnFedAvg(FedAccelStrategy, FedAvg):
+        pass
+
+    class OnFedAdam(FedAccelStrategy, FedAdam):
+        pass
+
+    assert _next_aggregate_train(OnFedAvg) is FedAvg.aggregate_train
+    assert _next_aggregate_train(OnFedAdam) is FedAdam.aggregate_train
