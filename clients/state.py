@@ -20,6 +20,8 @@ exceed :data:`AUTO_DISK_BYTES`, else ``context``. Memory cost per client is
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -27,9 +29,9 @@ from typing import Mapping, Protocol
 
 import numpy as np
 import torch
-from flwr.app import RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedaccel.arrays import record_to_tensors, tensors_to_record
+from fedaccel.arrays import from_tensor, to_numpy
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -49,22 +51,48 @@ class ClientState(Protocol):
 
 
 class ContextState:
-    """State in Flower's ``context.state`` RecordDict."""
+    """State in Flower's ``context.state`` RecordDict.
+
+    Each named group is packed into one flat Array per dtype (record
+    ``fedaccel.<name>``) plus its layout (keys, dtypes, shapes; ConfigRecord
+    ``fedaccel.<name>.layout``): Flower pays a fixed cost per Array (its
+    ``.npy`` header, and under Ray the hashing of every object of the
+    Context), so FedCDR's 3 copies x 4 tensors of the MLP are one Array, not
+    12 (issue 8: put + get 550 -> 310 us per client on the 60-32-10 MLP).
+    """
 
     def __init__(self, record: RecordDict) -> None:
         self.record = record
 
     def get(self, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
         key = f"fedaccel.{name}"
-        if key not in self.record.array_records:
+        if key not in self.record:
             return None
-        return record_to_tensors(self.record.array_records[key], device)
+        layout = json.loads(str(self.record[f"{key}.layout"]["layout"]))  # type: ignore[index]
+        pieces = {}
+        for dtype, array in self.record[key].items():  # type: ignore[union-attr]
+            flat = torch.from_numpy(to_numpy(array).copy()).to(device)
+            sizes = [math.prod(shape) for _, d, shape in layout if d == dtype]
+            pieces[dtype] = iter(torch.split(flat, sizes))
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for k, dtype, shape in layout:
+            out[k] = next(pieces[dtype]).view(shape)
+        return out
 
     def is_empty(self) -> bool:
         return not any(k.startswith("fedaccel.") for k in self.record.array_records)
 
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.record[f"fedaccel.{name}"] = tensors_to_record(tensors)
+        groups: dict[str, list[torch.Tensor]] = {}
+        layout = []
+        for k, v in tensors.items():
+            dtype = str(v.dtype).removeprefix("torch.")
+            groups.setdefault(dtype, []).append(v.detach().reshape(-1))
+            layout.append([k, dtype, list(v.shape)])
+        key = f"fedaccel.{name}"
+        self.record[key] = ArrayRecord(OrderedDict(
+            (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items()))
+        self.record[f"{key}.layout"] = ConfigRecord({"layout": json.dumps(layout)})
 
 
 class DiskState:

@@ -118,6 +118,10 @@ def test_context_state_lives_in_the_record(tmp_path):
     record = RecordDict()
     ContextState(record).put("dr", tensors())
     assert "fedaccel.dr" in record.array_records
+    # packed: one flat Array per dtype, in first-seen order (Flower's cost is per Array)
+    packed = record.array_records["fedaccel.dr"]
+    assert list(packed.keys()) == ["float32", "float64", "int64"]
+    assert [packed[d].shape for d in packed] == [(8,), (2,), (1,)]
     # a second view of the same RecordDict sees it (the Context is what persists)
     assert torch.equal(ContextState(record).get("dr", CPU)["fc.bias"], tensors()["fc.bias"])
 
