@@ -80,7 +80,7 @@ def from_numpy(values: np.ndarray) -> Array:
     if values.dtype.hasobject or values.dtype.fields is not None or not values.flags.c_contiguous:
         return Array(values)  # Flower's own path (Fortran order, records; its error for objects)
     shape = tuple(int(s) for s in values.shape)
-    data = _npy_header(values.dtype.str, shape) + values.tobytes()
+    data = b"".join((_npy_header(values.dtype.str, shape), values.reshape(-1).view(np.uint8)))  # one copy
     return Array(dtype=str(values.dtype), shape=shape, stype=NUMPY_STYPE, data=data)
 
 

@@ -24,7 +24,7 @@ from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import arrays_to_tensors, evaluate, select_device, state_to_arrays
-from strategies.base import Federation, query_partitions
+from strategies.base import Federation, PromptGrid, query_partitions
 
 
 def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -> Federation:
@@ -161,6 +161,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     from fedaccel.config import parse_run_config
 
     cfg = parse_run_config(run_config)
+    grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
     experiment = Experiment(cfg, federation, quiet=os.environ.get("FEDACCEL_QUIET") == "1")
