@@ -25,10 +25,17 @@ summed RSS of every process started during the run, which counts shared memory m
 once), and the ratios fast/bare and ray/bare. Also the cost of one evaluation of the
 global model on the server test set.
 
-    python bench/overhead.py                                  # everything, ~25 min here
+    python bench/overhead.py --repeat 3                       # everything, ~45 min here
     python bench/overhead.py --workloads mlp-synthetic --modes bare fast --rounds 8
     python bench/overhead.py --scale                          # 100 vs 1,000 clients (fast runner)
     python bench/overhead.py --phase table                    # re-tabulate results.jsonl
+
+Rounds per run: 20 on the MLP workloads, 5 on the CNN (``--rounds`` sets all). With
+``--repeat N`` the bare and fast runs of a cell alternate N times (bare, fast, bare, fast...)
+(on the MLPs; the CNN's multi-second rounds run once) and the cell reports the median of the
+N per-run medians: on a shared 2-core machine a
+single 0.06 s-per-round run varies by 10-20 %, and alternating cancels slow drifts. Ray
+runs once per cell (its 25-40 s start-up dwarfs that noise).
 
 Every measurement appends a JSON line to ``<out>/results.jsonl`` (a later measurement of
 the same cell replaces an earlier one in the table); ``table.md`` is rewritten at the end.
@@ -61,6 +68,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "cnn-fmnist": {"dataset": "fashion-mnist", "model": "cnn", "batch-size": 32},
 }
 ALGOS = ("fedavg", "fedcdr", "fedpm")
+ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
 MODES = ("bare", "fast", "ray")
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
@@ -325,6 +333,22 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T")}
 
 
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record for a cell measured several times: median of the per-run medians."""
+    if len(runs) == 1:
+        return runs[0]
+    rec = dict(runs[-1])
+    rec["run_medians"] = [r["median_round_s"] for r in runs]
+    rec["median_round_s"] = statistics.median(rec["run_medians"])
+    rec["startup_s"] = statistics.median(r["startup_s"] for r in runs)
+    rec["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    rec["round_seconds"] = [r["round_seconds"] for r in runs]
+    rec["wall_s"] = round(sum(r["wall_s"] for r in runs), 2)
+    evals = [r["eval_s"] for r in runs if r.get("eval_s")]
+    rec["eval_s"] = statistics.median(evals) if evals else None
+    return rec
+
+
 def load(out: Path) -> list[dict[str, Any]]:
     path = out / "results.jsonl"
     if not path.is_file():
@@ -341,7 +365,8 @@ def write_table(out: Path) -> None:
     recs = load(out)
     cells = {(r["workload"], r["algo"], r["mode"], r["clients"]): r for r in recs}
     lines = ["# Per-round overhead: bare PyTorch loop vs fast runner vs Flower's Ray simulation", "",
-             "Seconds per round: median over rounds 2..R-1. Start-up: process wall time minus the rounds. "
+             "Seconds per round: median over rounds 2..R-1 (with --repeat: the median of the runs' medians). "
+             "Start-up: process wall time minus the rounds. "
              "Peak RSS: bare/fast = the process's ru_maxrss; ray = peak of the summed RSS of every process "
              "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once).", "",
              "| workload | algo | bare s/round | fast s/round | ray s/round | fast/bare | ray/bare | "
@@ -385,7 +410,10 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds per run (default: 20 on the MLPs, 5 on the CNN)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="alternate the bare and fast runs of each cell N times; report the median")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--scale", action="store_true",
                    help="fast runner, mlp-synthetic, FedAvg and FedCDR at 100 and 1,000 clients")
@@ -401,16 +429,28 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="fedaccel-overhead-") as tmp:
             env = ray_env(Path(tmp) / "flwr-home") if "ray" in args.modes and not args.scale else None
             if args.scale:
-                cells = [("fast", "mlp-synthetic", a, n) for a in ("fedavg", "fedcdr") for n in (100, 1000)]
+                groups = [[("fast", "mlp-synthetic", a, n)] for a in ("fedavg", "fedcdr") for n in (100, 1000)]
             else:
-                cells = [(m, w, a, args.clients) for w in args.workloads for a in args.algos for m in args.modes]
-            for i, (mode, w, a, n) in enumerate(cells, 1):
-                rec = measure(mode, w, a, args.rounds, n, Path(tmp), env)
-                rec["scale"] = args.scale
-                with open(args.out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                print(f"[overhead] {i}/{len(cells)} {w} {a} {mode} n={n}: {rec['median_round_s']:.3f} s/round, "
-                      f"start-up {rec['startup_s']:.1f} s, peak RSS {rec['peak_rss_mb']:.0f} MB", flush=True)
+                groups = [[(m, w, a, args.clients) for m in args.modes]
+                          for w in args.workloads for a in args.algos]
+            for i, group in enumerate(groups, 1):
+                runs: dict[str, list[dict[str, Any]]] = {}
+                repeats = 1 if group[0][1] == "cnn-fmnist" else max(args.repeat, 1)  # CNN rounds: seconds
+                for rep in range(repeats):
+                    for mode, w, a, n in group:
+                        if rep and mode == "ray":
+                            continue
+                        rounds = args.rounds or ROUNDS[w]
+                        rec = measure(mode, w, a, rounds, n, Path(tmp), env)
+                        runs.setdefault(mode, []).append(rec)
+                        print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} run {rep + 1}: "
+                              f"{rec['median_round_s']:.3f} s/round, start-up {rec['startup_s']:.1f} s, "
+                              f"peak RSS {rec['peak_rss_mb']:.0f} MB", flush=True)
+                for mode, recs in runs.items():
+                    rec = combine_runs(recs)
+                    rec["scale"] = args.scale
+                    with open(args.out / "results.jsonl", "a") as f:
+                        f.write(json.dumps(rec) + "\n")
     write_table(args.out)
     return 0
 
