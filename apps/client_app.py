@@ -22,9 +22,10 @@ from flwr.clientapp import ClientApp
 
 from clients.base import LocalSolver, TrainData
 from clients.state import choose_backend, open_client_state
+from fedaccel.arrays import load_into
 from fedaccel.config import RunConfig, config_error, parse_run_config
 from fedaccel.runtime import build_model_for, data_config_for, load_data
-from fedaccel.torch_utils import arrays_to_tensors, evaluate as evaluate_model, seeded_generator, select_device
+from fedaccel.torch_utils import evaluate as evaluate_model, seeded_generator, select_device
 
 app = ClientApp()
 
@@ -146,7 +147,7 @@ def client_runtime(context: Context) -> ClientRuntime:
 
 
 def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:
-    rt.model.load_state_dict(arrays_to_tensors(msg.content["arrays"], rt.device))
+    load_into(rt.model, msg.content["arrays"])
     config = msg.content.config_records.get("config", ConfigRecord())
     return dict(config)
 

@@ -357,13 +357,13 @@ def load(out: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            latest[(r["workload"], r["algo"], r["mode"], r["clients"])] = r
+            latest[(r["workload"], r["algo"], r["mode"], r["clients"], bool(r.get("scale")))] = r
     return list(latest.values())
 
 
 def write_table(out: Path) -> None:
     recs = load(out)
-    cells = {(r["workload"], r["algo"], r["mode"], r["clients"]): r for r in recs}
+    cells = {(r["workload"], r["algo"], r["mode"], r["clients"]): r for r in recs if not r.get("scale")}
     lines = ["# Per-round overhead: bare PyTorch loop vs fast runner vs Flower's Ray simulation", "",
              "Seconds per round: median over rounds 2..R-1 (with --repeat: the median of the runs' medians). "
              "Start-up: process wall time minus the rounds. "
@@ -393,7 +393,7 @@ def write_table(out: Path) -> None:
     if evals:
         lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "
                   + ", ".join(f"{w} {s:.2f} s" for w, s in evals.items()) + "."]
-    scale = sorted((r for r in recs if r["clients"] != 100 or r.get("scale")), key=lambda r: (r["algo"], r["clients"]))
+    scale = sorted((r for r in recs if r.get("scale")), key=lambda r: (r["algo"], r["clients"]))
     if scale:
         lines += ["", "## Scale (fast runner, mlp-synthetic)", "",
                   "| algo | clients | s/round | start-up s | peak RSS MB |", "|---|---:|---:|---:|---:|"]

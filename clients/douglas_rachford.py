@@ -85,7 +85,8 @@ class DouglasRachfordSolver(LocalSolver):
 
     def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState) -> None:
         device = next(model.parameters()).device
-        received = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+        # the model's own tensors, read before training starts: relax() makes new ones
+        received = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())
         saved = state.get("dr", device)
         if saved is None:
             start = initial_point(self.initial_model, received, self.params.init)
@@ -110,7 +111,7 @@ class DouglasRachfordSolver(LocalSolver):
             p.grad.add_(p.detach() - y, alpha=self.inv_eta)
 
     def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
-        x_new = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+        x_new = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())  # put() copies
         xhat_new = OrderedDict((k, reflect(x_new[k], self.y[k])) for k in x_new)
         g = OrderedDict((k, (xhat_new[k] - self.xhat[k]).cpu()) for k in x_new)
         saved = {}

@@ -104,6 +104,35 @@ def tensors_to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord(OrderedDict((k, from_tensor(v)) for k, v in tensors.items()))
 
 
+def load_into(model: torch.nn.Module, record: ArrayRecord) -> None:
+    """Copy a record's arrays into ``model``'s parameters and buffers in place.
+
+    ``model.load_state_dict`` with one copy per tensor (NumPy view -> CPU
+    parameter) instead of two; a record whose keys or shapes differ from the
+    model's goes through ``load_state_dict`` itself, for its error message.
+    """
+    state = model.state_dict()
+    views = [to_numpy(a) for a in record.values()]
+    if list(record.keys()) != list(state.keys()) or any(
+            v.shape != tuple(t.shape) for v, t in zip(views, state.values())):
+        model.load_state_dict(record_to_tensors(record))  # raises: missing/unexpected keys, sizes
+        return
+    with torch.no_grad():
+        for target, values in zip(state.values(), views):
+            if target.device.type == "cpu" and values.dtype == _numpy_dtype(target.dtype):
+                np.copyto(target.numpy(), values)  # the tensor's own memory
+            else:
+                target.copy_(torch.from_numpy(values.copy()))
+
+
+@lru_cache(maxsize=64)
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return np.dtype(torch.empty((), dtype=dtype).numpy().dtype)
+    except TypeError:  # bfloat16 and friends have no NumPy dtype
+        return None
+
+
 def record_to_tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> OrderedDict[str, torch.Tensor]:
     """Fresh, writable tensors on ``device`` from a record."""
     return OrderedDict((k, torch.from_numpy(to_numpy(a).copy()).to(device)) for k, a in record.items())

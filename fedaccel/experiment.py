@@ -18,12 +18,13 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from fedaccel.arrays import load_into
 from fedaccel.config import RunConfig
 from fedaccel.errors import FederationError
 from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
-from fedaccel.torch_utils import arrays_to_tensors, evaluate, select_device, state_to_arrays
+from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
 from strategies.base import Federation, PromptGrid, query_partitions
 
 
@@ -98,7 +99,7 @@ class Experiment:
 
     def evaluate_global(self, arrays: ArrayRecord) -> tuple[float, float]:
         """Loss and accuracy of ``arrays`` on the fixed global test set."""
-        self.model.load_state_dict(arrays_to_tensors(arrays, self.device))
+        load_into(self.model, arrays)
         return evaluate(self.model, self.test_x, self.test_y)
 
     def on_round_end(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

@@ -99,3 +99,34 @@ def test_the_fast_mean_replaces_only_flowers_plain_fedavg():
 
     assert _next_aggregate_train(OnFedAvg) is FedAvg.aggregate_train
     assert _next_aggregate_train(OnFedAdam) is FedAdam.aggregate_train
+
+
+def test_load_into_copies_into_the_models_own_tensors():
+    from fedaccel.arrays import load_into
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    params_before = [p for p in model.parameters()]
+    source = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    source[1].running_mean.add_(3.0)
+    source[1].num_batches_tracked.add_(7)
+    load_into(model, tensors_to_record(source.state_dict()))
+    for (k, got), want in zip(model.state_dict().items(), source.state_dict().values()):
+        assert torch.equal(got, want) and got.dtype == want.dtype, k
+    assert all(a is b for a, b in zip(model.parameters(), params_before))  # same Parameter objects
+    # float64 values into the float32 model: converted, as load_state_dict does
+    wide = ArrayRecord({k: Array(v.numpy().astype(np.float64) if v.is_floating_point() else v.numpy())
+                        for k, v in source.state_dict().items()})
+    model[0].weight.data.zero_()
+    load_into(model, wide)
+    assert torch.equal(model[0].weight, source[0].weight)
+
+
+def test_load_into_rejects_what_load_state_dict_rejects():
+    from fedaccel.arrays import load_into
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_into(model, tensors_to_record({"weight": torch.zeros(2, 3)}))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_into(model, tensors_to_record({"weight": torch.zeros(3, 3), "bias": torch.zeros(2)}))
