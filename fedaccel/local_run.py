@@ -89,7 +89,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER
 
-    from apps.client_app import app as client_app
+    from apps.client_app import app as client_app, prepare_clients
     from clients.state import state_run_dir
     from apps.server_app import app as server_app
     from fedaccel.local_grid import LocalGrid
@@ -98,6 +98,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
+    prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     previous = os.environ.get("FEDACCEL_QUIET")
     os.environ["FEDACCEL_QUIET"] = "1" if quiet else "0"
