@@ -209,7 +209,7 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
         if rnd == rounds:
             evaluate()
         round_seconds.append(time.perf_counter() - start)
-    return {"round_seconds": round_seconds, "eval_seconds": eval_seconds}
+    return {"round_seconds": round_seconds, "eval_seconds": eval_seconds, "final": glob}
 
 
 # ----------------------------------------------------------------------------- (b) fast runner
@@ -218,7 +218,7 @@ def fast_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     from fedaccel.local_run import default_run_config, fuse, run_local
 
     folder = run_local(fuse(default_run_config(), ov), clients, quiet=True)
-    return {"round_seconds": [r["seconds"] for r in _rows(folder)]}
+    return {"round_seconds": [r["seconds"] for r in _rows(folder)], "folder": str(folder)}
 
 
 def _rows(folder: Path) -> list[dict[str, Any]]:
@@ -306,6 +306,7 @@ def child(args: argparse.Namespace) -> None:
     os.environ["FEDACCEL_QUIET"] = "1"
     ov = json.loads(args.child_overrides)
     out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)
+    out.pop("final", None)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
 
