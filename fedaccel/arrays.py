@@ -3,10 +3,10 @@
 A Flower :class:`~flwr.app.Array` holds its values as the bytes of an
 ``.npy`` file (``stype='numpy.ndarray'``), and ``Array.numpy()`` reads them
 back with ``np.load``, which parses the header with ``ast.literal_eval``:
-about 40 us per array whatever its size. Every model crosses that several
-times per client and round (the client loads it, the server checks and
-averages the reply), which was a third of the framework's overhead on small
-models. Nothing in Flower or NumPy offers a zero-copy reader, so these two
+50-95 us per array here, mostly independent of its size. Every model
+crosses that three times per client and round (the client loads it, the
+server checks and averages the reply): about a third of the framework's
+overhead on small models (docs/measurements.md, issue 8). Nothing in Flower or NumPy offers a zero-copy reader, so these two
 small codecs are written here by hand:
 
 - :func:`to_numpy`: a read-only view of the ``.npy`` payload, used when the
