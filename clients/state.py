@@ -56,8 +56,7 @@ class ContextState:
     Each named group is packed into one flat Array per dtype (record
     ``fedaccel.<name>``) plus its layout (keys, dtypes, shapes; ConfigRecord
     ``fedaccel.<name>.layout``): Flower pays a fixed cost per Array (its
-    ``.npy`` header, and under Ray the hashing of every object of the
-    Context), so FedCDR's 3 copies x 4 tensors of the MLP are one Array, not
+    ``.npy`` header and per-object bookkeeping), so FedCDR's 3 copies x 4 tensors of the MLP are one Array, not
     12 (issue 8: put + get 550 -> 310 us per client on the 60-32-10 MLP).
     """
 

@@ -31,7 +31,6 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 NUMPY_STYPE = "numpy.ndarray"  # flwr's SType.NUMPY
-_MAGIC = b"\x93NUMPY"
 
 
 @lru_cache(maxsize=4096)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from fedaccel.arrays import record_to_tensors, tensors_to_record
+from fedaccel.arrays import tensors_to_record
 
 
 def select_device(name: str) -> torch.device:
@@ -43,11 +42,6 @@ def seeded_generator(*parts: int | str) -> torch.Generator:
 def state_to_arrays(model: torch.nn.Module) -> ArrayRecord:
     """The model's state dict as an ArrayRecord (copied to CPU)."""
     return tensors_to_record(model.state_dict())
-
-
-def arrays_to_tensors(arrays: ArrayRecord, device: torch.device) -> OrderedDict[str, torch.Tensor]:
-    """ArrayRecord -> ordered dict of tensors on ``device`` (fresh copies)."""
-    return record_to_tensors(arrays, device)
 
 
 def payload_bytes(arrays: ArrayRecord) -> int:

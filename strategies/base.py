@@ -46,7 +46,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.arrays import from_numpy, numpy_to_record, to_numpy
-
 from fedaccel.config import RunConfig
 from fedaccel.errors import RoundFailedError
 from fedaccel.samplers import cohort as sample_partitions
@@ -524,7 +523,7 @@ def weighted_mean_of_replies(contents: list[RecordDict], weighted_by_key: str) -
     Same weights (``w_i / sum w``, Python floats), same accumulation order
     (reply by reply, ``acc = v_0 * w_0; acc += v_i * w_i``) and dtypes, so
     the result is bit-identical to Flower's; only the ``np.load`` of every
-    array (about 40 us each) is gone.
+    array (50-95 us each here) is gone.
     """
     weights = [float(next(iter(c.metric_records.values()))[weighted_by_key]) for c in contents]
     total = sum(weights)

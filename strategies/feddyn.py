@@ -19,10 +19,11 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from clients.feddyn import FedDynSolver
+from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
-from strategies.server_steps import numpy_to_record, record_to_numpy, reply_metrics
+from strategies.server_steps import numpy_to_record, reply_metrics
 
 T = TypeVar("T")
 

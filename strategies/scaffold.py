@@ -21,10 +21,11 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from clients.scaffold import C_RECORD, CV_UPDATES, DC_RECORD, ScaffoldSolver, control_variate_record
+from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
-from strategies.server_steps import numpy_to_record, plain_mean, record_to_numpy, reply_metrics
+from strategies.server_steps import numpy_to_record, plain_mean, reply_metrics
 
 T = TypeVar("T")
 

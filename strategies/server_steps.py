@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel import arrays as arrays_codec
-from fedaccel.arrays import to_numpy
+from fedaccel.arrays import record_to_numpy, to_numpy
 
 T = TypeVar("T")
 
@@ -34,11 +34,6 @@ def relax(theta: T, theta_tilde: T, rho: float) -> T:
     if rho == 1.0:
         return theta_tilde
     return (1.0 - rho) * theta + rho * theta_tilde  # type: ignore[operator]
-
-
-def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """Read-only NumPy views of a record's arrays (:func:`fedaccel.arrays.to_numpy`)."""
-    return arrays_codec.record_to_numpy(record)
 
 
 def numpy_to_record(arrays: Mapping[str, np.ndarray], like: ArrayRecord | None = None) -> ArrayRecord:
