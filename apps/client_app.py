@@ -150,7 +150,7 @@ def client_runtime(context: Context) -> ClientRuntime:
 
 
 def prepare_clients(contexts: list[Context]) -> None:
-    """Build the data tensors of up to ``RUNTIME_CACHE_SIZE`` clients now.
+    """Build every client's data tensors now, if all fit in the runtime cache.
 
     The fast runner calls this before round 1, so a client's first round does
     not pay for turning its images into float tensors (0.75 ms per
@@ -158,8 +158,12 @@ def prepare_clients(contexts: list[Context]) -> None:
     ``bench/overhead.py`` prepares its data up front too). Best effort: a
     bad config or missing data stops here silently and is reported, with the
     ServerApp's one-line message, when the first round reaches the client.
+    With more than ``RUNTIME_CACHE_SIZE`` clients nothing is built: the cache
+    would evict most of them before their first round.
     """
-    for context in contexts[:RUNTIME_CACHE_SIZE]:
+    if len(contexts) > RUNTIME_CACHE_SIZE:
+        return
+    for context in contexts:
         try:
             client_runtime(context)
         except Exception:  # noqa: BLE001 - reported by the normal path, see docstring
