@@ -19,11 +19,17 @@ It leaves their aggregation arithmetic untouched and adds what they lack:
   without SuperNode authentication) is followed to the new id
   (:meth:`FedAccelStrategy.follow_restarted_nodes`).
 
-Where the wrapped strategy is Flower's plain ``FedAvg``, its weighted mean is
-computed by :func:`weighted_mean_of_replies` on zero-copy views of the reply
-bytes: the same arithmetic in the same order as Flower's
-``aggregate_arrayrecords`` (bit-identical, tested), without its ``np.load``
-per array (issue 8).
+A round's replies become the new global model in three stages, the same for
+every algorithm: :meth:`FedAccelStrategy.combine` aggregates them into one
+model (default: Flower's FedAvg example-weighted mean, computed by
+:func:`weighted_mean_of_replies` on zero-copy views, bit-identical to
+Flower's ``aggregate_arrayrecords``); the update transforms of
+:mod:`fedaccel.composition` (global GC) edit the aggregated update; then
+:meth:`FedAccelStrategy.server_step` (momentum, Adam, relaxation, FedACG)
+turns it into the new model. Server optimizers are written as this hook,
+not taken from Flower's ``FedAvgM``/``FedAdam``, because Flower's
+``aggregate_train`` fuses the mean and the step and leaves no point at which
+GC-Fed's projection can act before the step's state is updated.
 
 Selection works by handing Flower's ``configure_train`` a :class:`NodeSubset`
 grid whose ``get_node_ids()`` returns only the chosen nodes, with
@@ -231,6 +237,9 @@ class FedAccelStrategy:
         self.rounds: dict[int, RoundLog] = {}
         self.global_arrays: ArrayRecord | None = None  # the model sent this round
         self.stateful = spec.solver.state_copies > 0
+        from fedaccel.composition import server_update_transforms
+
+        self.update_transforms = server_update_transforms(run_cfg)  # f(sent, aggregate) -> aggregate
         self.trained: set[int] = set()  # partitions that have replied to a training round
         # Node ids seen after discovery: claims waiting for the partition's old
         # node to go offline (node -> partition id), and nodes that will not be used.
@@ -282,18 +291,29 @@ class FedAccelStrategy:
         return arrays
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Turn the valid replies into the new global model: the wrapped Flower
-        strategy's aggregation by default. ``self.global_arrays`` is the model
-        that was sent."""
-        if _next_aggregate_train(type(self)) is FedAvg.aggregate_train:
-            # Flower's FedAvg.aggregate_train with its array mean done on views
-            valid, _ = self._check_and_log_replies(replies, is_train=True)  # type: ignore[attr-defined]
-            if not valid:
-                return None, None
-            contents = [m.content for m in valid]
-            arrays = weighted_mean_of_replies(contents, self.weighted_by_key)  # type: ignore[attr-defined]
-            return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)  # type: ignore[attr-defined]
-        return super().aggregate_train(server_round, replies)  # type: ignore[misc]
+        """Aggregate the valid replies into one model, *before* any server step
+        (hook; default: Flower's FedAvg example-weighted mean, computed on
+        zero-copy views). ``self.global_arrays`` is the model that was sent, so
+        ``aggregate - global_arrays`` is the round's aggregated update."""
+        valid, _ = self._check_and_log_replies(replies, is_train=True)  # type: ignore[attr-defined]
+        if not valid:
+            return None, None
+        contents = [m.content for m in valid]
+        arrays = weighted_mean_of_replies(contents, self.weighted_by_key)  # type: ignore[attr-defined]
+        return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)  # type: ignore[attr-defined]
+
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        """The new global model from the round's aggregate (hook; default: the
+        aggregate itself, FedAvg's ``x <- x + mean update``).
+
+        Server optimizers (momentum, Adam, relaxation, FedACG's lookahead
+        momentum) override this. ``aggregate`` has already been through the
+        update transforms (global GC), so every server state (momentum buffers,
+        Adam moments) is built from the transformed update, as GC-Fed's
+        Algorithm 1 (lines 13-15) centralizes the aggregated update before the
+        server uses it.
+        """
+        return aggregate
 
     # ---------------------------------------------------- node membership
     def follow_restarted_nodes(self, grid: Grid) -> None:
@@ -421,14 +441,13 @@ class FedAccelStrategy:
                 log(WARNING, "round %s: every reply came from a straggler and was dropped "
                     "(straggler-policy='drop'); the model is unchanged", server_round)
                 return None, None
+        # aggregate -> update transforms (global GC) -> server step: every server
+        # state is built from the transformed update (see server_step)
         arrays, metrics = self.combine(server_round, ok)
-        if arrays is not None and self.global_arrays is not None:
-            from fedaccel.composition import server_update_transforms
-
-            for transform in server_update_transforms(self.run_cfg):
-                arrays = transform(self.global_arrays, arrays)
         if arrays is not None:
-            arrays = self._keep_dtypes(arrays)
+            for transform in self.update_transforms:
+                arrays = transform(self.global_arrays, arrays)
+            arrays = self._keep_dtypes(self.server_step(server_round, arrays))
         if metrics is not None and "train-loss" in metrics:
             log_.train_loss = float(metrics["train-loss"])
         return arrays, metrics
@@ -506,15 +525,6 @@ class FedAccelStrategy:
         log(INFO, "\t├──> fedaccel: algo=%s, %s of %s clients per round, seeded sampling",
             self.run_cfg.algo, self.cohort_size, self.federation.num_clients)
         super().summary()  # type: ignore[misc]
-
-
-def _next_aggregate_train(cls: type) -> Any:
-    """The ``aggregate_train`` that ``FedAccelStrategy.combine``'s ``super()`` call reaches."""
-    mro = cls.__mro__
-    for klass in mro[mro.index(FedAccelStrategy) + 1:]:
-        if "aggregate_train" in vars(klass):
-            return vars(klass)["aggregate_train"]
-    return None
 
 
 def weighted_mean_of_replies(contents: list[RecordDict], weighted_by_key: str) -> ArrayRecord:

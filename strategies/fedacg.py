@@ -106,25 +106,31 @@ class FedACGStrategy(FedAccelStrategy, FedAvg):
                             for k, v in self.theta.items()})
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self.global_arrays is not None and self.theta is not None and self.momentum is not None
+        """The ``weighting`` mean of the clients' models (``b + Delta^t``)."""
+        mean = mean_of_replies(replies, self.params.weighting, self.weighted_by_key)
+        return mean, aggregate_metricrecords([m.content for m in replies], self.weighted_by_key)
+
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        """``m^t = lam m^{t-1} + Delta^t``, ``theta^t = theta^{t-1} + m^t`` with
+        ``Delta^t = aggregate - b`` (after the update transforms: with global GC
+        the momentum only ever holds centralized updates)."""
+        if self.theta is None or self.momentum is None:
+            raise RuntimeError("FedACG: server_step before broadcast_arrays (no theta^{t-1})")
         p = self.params
-        mean = mean_of_replies(replies, p.weighting, self.weighted_by_key)
-        metrics = aggregate_metricrecords([m.content for m in replies], self.weighted_by_key)
+        if not p.server_momentum:
+            return aggregate  # theta^t = theta^{t-1} + Delta^t, b = theta^{t-1}
         sent = {k: np.asarray(a.numpy()) for k, a in self.global_arrays.items()}
         new: dict[str, Array] = {}
         for k, b in sent.items():
-            avg = np.asarray(mean[k].numpy())
-            if not p.server_momentum:
-                new[k] = Array(avg)  # theta^t = theta^{t-1} + Delta^t, b = theta^{t-1}
-                continue
+            avg = np.asarray(aggregate[k].numpy())
             delta = avg - b  # Delta^t, measured from the broadcast model
             m_new = p.lam * self.momentum[k] + delta  # m^t = lam m^{t-1} + Delta^t
             self.momentum[k] = m_new
             if p.lookahead:
-                new[k] = Array(avg)  # theta^{t-1} + m^t = b + Delta^t = the mean model
+                new[k] = Array(avg)  # theta^{t-1} + m^t = b + Delta^t = the aggregate
             else:
                 new[k] = Array(np.asarray(self.theta[k] + m_new))  # theta^t = theta^{t-1} + m^t
-        return ArrayRecord(new), metrics
+        return ArrayRecord(new)
 
 
 def build(cfg: RunConfig, federation: Federation) -> FedACGStrategy:

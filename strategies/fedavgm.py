@@ -1,20 +1,29 @@
-"""FedAvgM (Hsu et al. 2019): server SGD with momentum on the pseudo-gradient.
+"""FedAvgM (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data
+Distribution for Federated Visual Classification", arXiv:1909.06335): server
+SGD with momentum on the pseudo-gradient.
 
-Aggregation is Flower's ``FedAvgM``: ``v = beta v + (x - mean_i x_i)``,
-``x = x - server_lr * v`` (its first round sets ``v`` to the pseudo-gradient,
-which equals starting from ``v = 0``).
+``v = beta v + (x - aggregate)``, ``x = x - server_lr * v`` (the first round
+sets ``v`` to the pseudo-gradient, which equals starting from ``v = 0``):
+:func:`strategies.server_steps.momentum_step`, bit-identical to Flower's
+``FedAvgM`` (tested). It runs as the :meth:`server_step` hook, after the
+update transforms, so with ``gc.mode`` global/hybrid the momentum is built
+from the centralized update.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flwr.serverapp.strategy import FedAvgM
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.serverapp.strategy import FedAvg
 
 from clients.fedavg import FedAvgSolver
+from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
+from strategies.server_steps import momentum_step
 
 
 @dataclass(frozen=True)
@@ -30,14 +39,23 @@ class FedAvgMParams:
                 self.server_momentum, "must be in [0, 1)")
 
 
-class FedAvgMStrategy(FedAccelStrategy, FedAvgM):
-    """Flower's FedAvgM with fedaccel's seeded sampling and accounting."""
+class FedAvgMStrategy(FedAccelStrategy, FedAvg):
+    """FedAvg's example-weighted mean, then server SGD with momentum."""
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        super().__init__(run_cfg=run_cfg, federation=federation)
+        self.params = run_cfg.algo_params
+        self.velocity: dict[str, np.ndarray] | None = None
+
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        x = record_to_numpy(self.global_arrays)
+        new, self.velocity = momentum_step(x, record_to_numpy(aggregate), self.velocity,
+                                           self.params.server_lr, self.params.server_momentum)
+        return numpy_to_record(new)
 
 
 def build(cfg: RunConfig, federation: Federation) -> FedAvgMStrategy:
-    p = cfg.algo_params
-    return FedAvgMStrategy(run_cfg=cfg, federation=federation,
-                           server_learning_rate=p.server_lr, server_momentum=p.server_momentum)
+    return FedAvgMStrategy(run_cfg=cfg, federation=federation)
 
 
 ALGORITHM = AlgorithmSpec(

@@ -69,10 +69,9 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
         return {C_RECORD: control_variate_record(self.c)}
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The plain mean of the ``y_i``; also the control-variate step (line 17)."""
         assert self.global_arrays is not None and self.c is not None
-        x = {k: v.astype(np.float64) for k, v in record_to_numpy(self.global_arrays).items()}
         mean_y = plain_mean(replies)
-        new = {k: model_step(x[k], mean_y[k] - x[k], self.server_lr) for k in x}
         dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
         for reply in replies:
             for k, a in reply.content[DC_RECORD].items():
@@ -80,7 +79,14 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
         n = self.federation.num_clients
         self.c = {k: control_step(v.astype(np.float64), dc_sum[k], n).astype(v.dtype)
                   for k, v in self.c.items()}
-        return numpy_to_record(new, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
+        return numpy_to_record(mean_y, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
+
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        """``x + server_lr * (aggregate - x)`` (line 17, after the update transforms)."""
+        x = {k: v.astype(np.float64) for k, v in record_to_numpy(self.global_arrays).items()}
+        mean_y = record_to_numpy(aggregate)
+        new = {k: model_step(x[k], mean_y[k] - x[k], self.server_lr) for k in x}
+        return numpy_to_record(new, like=self.global_arrays)
 
 
 def build(cfg: RunConfig, federation: Federation) -> ScaffoldStrategy:

@@ -13,10 +13,21 @@
   the strategy's ``combine`` produced, so any algorithm can be relaxed:
   ``class S(RelaxedAggregation, FedAccelStrategy, FedAvg)`` with
   ``self.relaxation_rho`` set.
+- :func:`momentum_step`: FedAvgM's server SGD with momentum, in Flower's
+  convention and arithmetic (bit-identical to Flower's ``FedAvgM``, tested).
+- :func:`adam_step`: FedAdam's server Adam, either Reddi et al.'s Algorithm 2
+  (``variant='paper'``) or Flower's bias-corrected rule (``'flower'``,
+  bit-identical to Flower's ``FedAdam``, tested).
+
+The server optimizers are written here because Flower's strategies fuse the
+mean and the step in one ``aggregate_train``: GC-Fed's projection must act on
+the aggregated update before the step updates its state
+(:meth:`strategies.base.FedAccelStrategy.server_step`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
 import numpy as np
@@ -62,23 +73,98 @@ def reply_metrics(replies: list[Message], weighted_by_key: str) -> MetricRecord:
 
 
 class RelaxedAggregation:
-    """Mixin: ``theta <- (1 - rho) theta_sent + rho combine(...)``.
+    """Mixin: ``theta <- (1 - rho) theta_sent + rho aggregate``.
 
     Place it before :class:`strategies.base.FedAccelStrategy` in the MRO and
     set ``self.relaxation_rho``. ``self.global_arrays`` (the model sent this
-    round) is the ``theta^t`` of the relaxation.
+    round) is the ``theta^t`` of the relaxation; ``aggregate`` is the mean
+    after the update transforms (global GC), so relaxation scales the
+    centralized update.
     """
 
     relaxation_rho: float = 1.0
 
-    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        arrays, metrics = super().combine(server_round, replies)  # type: ignore[misc]
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        aggregate = super().server_step(server_round, aggregate)  # type: ignore[misc]
         rho = float(self.relaxation_rho)
-        if arrays is None or rho == 1.0:
-            return arrays, metrics
+        if rho == 1.0:
+            return aggregate
         sent: Any = getattr(self, "global_arrays", None)
         if sent is None:
             raise RuntimeError("RelaxedAggregation needs global_arrays (the model sent this round)")
-        theta, tilde = record_to_numpy(sent), record_to_numpy(arrays)
+        theta, tilde = record_to_numpy(sent), record_to_numpy(aggregate)
         new = {k: relax(theta[k].astype(np.float64), tilde[k].astype(np.float64), rho) for k in tilde}
-        return numpy_to_record(new, like=arrays), metrics
+        return numpy_to_record(new, like=aggregate)
+
+
+def momentum_step(x: dict[str, np.ndarray], aggregate: dict[str, np.ndarray],
+                  velocity: dict[str, np.ndarray] | None, lr: float,
+                  momentum: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """FedAvgM (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data
+    Distribution for Federated Visual Classification", arXiv:1909.06335):
+    ``d = x - aggregate`` (pseudo-gradient), ``v = momentum v + d`` (``v = d``
+    the first round, which is the same as starting from ``v = 0``),
+    ``x <- x - lr v``; with ``momentum = 0`` no velocity is kept.
+
+    Returns ``(new x, new v)``. Same operations and dtypes as Flower's
+    ``FedAvgM.aggregate_train``, so the result is bit-identical to it.
+    """
+    d = {k: x[k] - aggregate[k] for k in x}
+    if momentum > 0.0:
+        velocity = d if velocity is None else {k: momentum * velocity[k] + d[k] for k in d}
+        d = velocity
+    return {k: x[k] - lr * d[k] for k in x}, velocity
+
+
+ADAM_VARIANTS = ("paper", "flower")
+
+
+@dataclass
+class AdamState:
+    """FedAdam's server moments ``m`` and ``v`` (created on the first step)."""
+
+    m: dict[str, np.ndarray] | None = None
+    v: dict[str, np.ndarray] | None = None
+
+
+def adam_step(x: dict[str, np.ndarray], aggregate: dict[str, np.ndarray], state: AdamState,
+              server_round: int, lr: float, beta1: float, beta2: float, tau: float,
+              variant: str) -> dict[str, np.ndarray]:
+    """One FedAdam server step from ``x`` with ``Delta = aggregate - x``; updates ``state``.
+
+    ``variant='paper'``: Reddi et al. 2021 ("Adaptive Federated Optimization",
+    arXiv:2003.00295), Algorithm 2 with the Adam line::
+
+        m = beta1 m + (1 - beta1) Delta            (m_{-1} = 0)
+        v = beta2 v + (1 - beta2) Delta^2          (v_{-1} = tau^2)
+        x <- x + lr m / (sqrt(v) + tau)
+
+    no bias correction; ``v_{-1} = tau^2`` is the smallest value the algorithm's
+    input ``v_{-1} >= tau^2`` allows. Computed in float64.
+
+    ``variant='flower'``: Flower's ``FedAdam`` (``m``, ``v`` from zero, then the
+    step size ``lr sqrt(1 - beta2^(r+1)) / (1 - beta1^(r+1))`` with ``r`` the
+    1-based round number), with Flower's dtypes, so bit-identical to it. Its
+    first step is 0.74x Algorithm 2's at the default betas (``|Delta| >> tau``).
+    """
+    if variant not in ADAM_VARIANTS:
+        raise ValueError(f"unknown FedAdam variant {variant!r}; allowed: {', '.join(ADAM_VARIANTS)}")
+    if variant == "paper":
+        x64 = {k: np.asarray(v, dtype=np.float64) for k, v in x.items()}
+        delta = {k: np.asarray(aggregate[k], dtype=np.float64) - x64[k] for k in x64}
+        if state.m is None or state.v is None:
+            state.m = {k: np.zeros_like(v) for k, v in delta.items()}
+            state.v = {k: np.full_like(v, tau * tau) for k, v in delta.items()}
+        state.m = {k: beta1 * state.m[k] + (1.0 - beta1) * delta[k] for k in delta}
+        state.v = {k: beta2 * state.v[k] + (1.0 - beta2) * delta[k] ** 2 for k in delta}
+        return {k: x64[k] + lr * state.m[k] / (np.sqrt(state.v[k]) + tau) for k in x64}
+    # Flower's FedOpt._compute_deltat_and_mt and FedAdam.aggregate_train, in order
+    delta = {k: aggregate[k] - x[k] for k in x}
+    if not state.m:
+        state.m = {k: np.zeros_like(v) for k, v in aggregate.items()}
+    state.m = {k: beta1 * v + (1 - beta1) * delta[k] for k, v in state.m.items()}
+    if not state.v:
+        state.v = {k: np.zeros_like(v) for k, v in aggregate.items()}
+    state.v = {k: beta2 * v + (1 - beta2) * (delta[k] ** 2) for k, v in state.v.items()}
+    eta_norm = lr * np.sqrt(1 - np.power(beta2, server_round + 1.0)) / (1 - np.power(beta1, server_round + 1.0))
+    return {k: v + eta_norm * state.m[k] / (np.sqrt(state.v[k]) + tau) for k, v in x.items()}
