@@ -303,6 +303,10 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     )
     require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
 
+    require(not (gc.mode in ("global", "hybrid") and spec.global_gc_refused), "gc.mode", gc.mode,
+            f"is refused with algo='{algo}': {spec.global_gc_refused}; use gc.mode='local' "
+            "(client-side GC only) or 'none'")
+
     return RunConfig(
         algo=algo,
         dataset=dataset,

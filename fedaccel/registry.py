@@ -37,6 +37,9 @@ class AlgorithmSpec:
     config_prefix: str = ""
     default_sampler: str = "uniform"  # what sampler='auto' means for this algorithm
     default_straggler_policy: str = "drop"  # what straggler-policy='auto' means
+    # Why gc.mode global/hybrid cannot be computed correctly with this
+    # algorithm ("" = it can); such runs are refused with this reason.
+    global_gc_refused: str = ""
 
     @property
     def prefix(self) -> str:

@@ -21,6 +21,11 @@ from fedaccel.config import RunConfig, config_error, require
 from strategies.base import FedAccelStrategy, Federation
 
 PROX_STARTS = ("server", "local")
+# gc.mode global/hybrid is refused for the DR methods (the registry's reason):
+DOUGLAS_RACHFORD_GLOBAL_GC = (
+    "the server model x must stay the mean of all clients' xhat_i (FedCDR Algorithm 1, lines 8-9), "
+    "which the clients update from their own uncentralized steps; centralizing the server's update "
+    "breaks x = mean(xhat)")
 INITS = ("model", "zeros")
 
 

@@ -15,7 +15,7 @@ from clients.douglas_rachford import DouglasRachfordSolver
 from fedaccel.config import RunConfig
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import Federation
-from strategies.douglas_rachford import DouglasRachfordParams, DouglasRachfordStrategy
+from strategies.douglas_rachford import DOUGLAS_RACHFORD_GLOBAL_GC, DouglasRachfordParams, DouglasRachfordStrategy
 
 
 @dataclass(frozen=True)
@@ -31,4 +31,5 @@ ALGORITHM = AlgorithmSpec(
     name="fedcdr", build_strategy=build, solver=DouglasRachfordSolver, params=FedCDRParams,
     summary="FedCDR: Douglas-Rachford splitting with reshuffled client cohorts",
     default_sampler="reshuffle", default_straggler_policy="partial",
+    global_gc_refused=DOUGLAS_RACHFORD_GLOBAL_GC,
 )

@@ -13,7 +13,7 @@ from clients.douglas_rachford import DouglasRachfordSolver
 from fedaccel.config import RunConfig
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import Federation
-from strategies.douglas_rachford import DouglasRachfordParams, DouglasRachfordStrategy
+from strategies.douglas_rachford import DOUGLAS_RACHFORD_GLOBAL_GC, DouglasRachfordParams, DouglasRachfordStrategy
 
 
 @dataclass(frozen=True)
@@ -29,4 +29,5 @@ ALGORITHM = AlgorithmSpec(
     name="feddr", build_strategy=build, solver=DouglasRachfordSolver, params=FedDRParams,
     summary="FedDR: Douglas-Rachford splitting with uniform client sampling",
     default_sampler="uniform", default_straggler_policy="partial",
+    global_gc_refused=DOUGLAS_RACHFORD_GLOBAL_GC,
 )

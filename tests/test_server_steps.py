@@ -116,3 +116,20 @@ def test_global_gc_keeps_the_classifier_row_means_of_every_model(algo, params):
     for r, model in enumerate(sent + new):
         np.testing.assert_allclose(model["fc.weight"].mean(axis=1), want, rtol=0, atol=1e-12,
                                    err_msg=f"model {r}")
+
+
+@pytest.mark.parametrize("algo", ["fedcdr", "feddr", "feddyn"])
+@pytest.mark.parametrize("mode", ["global", "hybrid"])
+def test_global_gc_is_refused_where_it_breaks_a_two_sided_invariant(algo, mode):
+    """DR: x = mean(xhat_i); FedDyn: h = mean(grad_prev_i). Both sides build
+    them from uncentralized updates, so centralizing only the server's update
+    would make them disagree: refused with the reason, local GC allowed."""
+    from fedaccel.config import ConfigError
+
+    cfg = default_run_config()
+    cfg.update({"algo": algo, "gc.mode": mode})
+    with pytest.raises(ConfigError, match=rf"gc.mode='{mode}': is refused with algo='{algo}': .*mean.*"
+                                          r"use gc.mode='local'"):
+        parse_run_config(cfg)
+    cfg["gc.mode"] = "local"
+    assert parse_run_config(cfg).gc.mode == "local"
