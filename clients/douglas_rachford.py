@@ -1,27 +1,37 @@
 """Douglas-Rachford local solver shared by FedCDR and FedDR.
 
-FedCDR paper (fedcdr-client-reshuffling-dr.txt), Algorithm 1, line 7: a
-selected client ``i`` receiving the server model ``x`` does
+FedCDR ("Mitigating Data Heterogeneity Effect in Client-Reshuffling-Based
+Federated Learning", anonymous, under double-blind review), Algorithm 1,
+line 7: a selected client ``i`` receiving the server model ``x`` does
 
     y_i    <- y_i + alpha (x - x_i)              (relax)
     x_i    ~= prox_{eta f_i}(y_i)                 (inexact prox, SGD)
     xhat'  =  2 x_i - y_i                         (reflect)
     g_i    =  xhat' - xhat_i ;  xhat_i <- xhat'   (sent to the server)
 
-and the server (line 8-9) does ``x <- x + (1/n) sum_{i in S} g_i`` with ``n``
-the total number of clients, which keeps ``x`` equal to the mean of all
-clients' ``xhat_i``. The prox is solved inexactly by ``local-epochs`` of SGD
-on ``f_i(z) + 1/(2 eta) ||z - y_i||^2``; the proximal gradient
-``(z - y_i) / eta`` is added to ``p.grad`` before the optimizer step, so it
-goes through momentum and weight decay like the task gradient.
+and the server (lines 8-9) does ``x <- x + (1/n) sum_{i in S} g_i`` with
+``n`` the total number of clients; appendix A derives this from
+``x = (1/n) sum_i xhat_i`` (eq. 17), which it keeps as long as it held
+before the round. FedDR (Tran-Dinh, Pham, Phan, Nguyen, NeurIPS 2021,
+arXiv:2103.03452) has the same client rule.
 
-The paper does not say where the inexact prox solver starts. ``prox-start``
-chooses: ``local`` warm-starts from the client's previous ``x_i`` (as the
-FedDR public code does; the first time that is the received model), and
-``server`` starts from the received model ``x``. The implementation notes
-measured ``local`` at ~16% and ``server`` at ~60% accuracy on
-Synthetic-(1,1) after 150 rounds, so ``server`` is the default; see
-docs/fedcdr.md for our own measurements.
+The prox is solved inexactly by ``local-epochs`` of SGD on
+``f_i(z) + 1/(2 eta) ||z - y_i||^2`` (section 6.1 and appendix G.2: SGD,
+10 epochs, momentum 0.9, weight decay 5e-4). The proximal gradient
+``(z - y_i) / eta`` is added to ``p.grad`` before the optimizer step, so the
+momentum buffer accumulates it together with the task gradient and the
+weight-decay term ``weight-decay * z`` that SGD adds to the gradient.
+
+``prox-start`` says where the SGD prox solver starts. ``server`` (the
+default) starts from the received model ``x``, which is what FedCDR's
+appendix K (notation) describes: clients "perform several local
+proximal-gradient iterations starting from x_r^t". ``local`` warm-starts
+from the client's previous ``x_i`` (x0 before its first training), as the
+public FedDR code does (``Client_DR.set_params`` loads a received model
+into the client's model only on its first call, the round-0 evaluation
+with x0, so every later prox solve continues from the client's own x_i). On Synthetic-(1,1) ``local`` stays at the
+majority class (12-14 % at eta 10/100/1000) while ``server`` reaches 70-74 %
+(docs/fedcdr.md, sweep at 100 rounds).
 """
 
 from __future__ import annotations
@@ -54,31 +64,55 @@ def server_step(x: T, g_sum: T, num_clients: int) -> T:
     return x + g_sum / num_clients  # type: ignore[operator]
 
 
-def initial_point(initial_model: OrderedDict[str, torch.Tensor] | None,
-                  received: OrderedDict[str, torch.Tensor], init: str) -> OrderedDict[str, torch.Tensor]:
-    """Where a client's y, x_i and xhat start: x0 for every client.
+def initial_state(initial_model: OrderedDict[str, torch.Tensor] | None,
+                  received: OrderedDict[str, torch.Tensor], init: str) -> tuple[
+                      OrderedDict[str, torch.Tensor], OrderedDict[str, torch.Tensor],
+                      OrderedDict[str, torch.Tensor]]:
+    """``(y_i, x_i, xhat_i)`` of a client that has not trained yet (new tensors).
 
-    Algorithm 1 (line 2, appendix A) starts *all* clients at the initial model
-    x0, and the server step ``x += (1/n) sum g_i`` keeps ``x = mean_i xhat_i``
-    only if every client's ``xhat_i`` really was x0 until it first trains. A
-    client first selected in a later round therefore initialises from x0
-    (rebuilt from the seed), not from the model it receives then. With
-    ``init='zeros'`` (FedDR's public code) the start, and the server's initial
-    model, are zero.
+    ``init='model'``: all three are x0, the run's initial model (rebuilt from
+    the seed by the ClientApp), also for a client first selected in a later
+    round, whatever model it receives then. This is FedCDR's main text
+    ("we initialize both the server and clients at the same point x^0") and
+    the initial state its proofs use (``x_{i,0}^0 = x_0^0 = x^0``, appendix B
+    eq. 63 and appendix C eq. 103). Appendix A's initialization instead sets
+    ``y_{i,0} = x^0``, ``x_{i,0} = prox_{eta f_i}(y_{i,0})``,
+    ``xhat_{i,0} = 2 x_{i,0} - y_{i,0}``: that costs one prox solve on every
+    client before round 1, and with the server at ``x_0^0 = x^0`` it breaks
+    the ``x = mean_i xhat_i`` its own derivation of the server step needs
+    (unless ``prox_{eta f_i}(x^0) = x^0`` for all i). We do not follow it.
+    With ``x_i = y_i = x0`` the reflection gives ``xhat_i = 2 x0 - x0 = x0``,
+    so the server's x0 is the mean of all initial ``xhat_i``.
+
+    ``init='zeros'``: the public FedDR code (``Client_DR.__init__`` in
+    ``FedDR/flearn/models/client_dr.py``): ``y_i = xhat_i = 0`` while ``x_i``,
+    the client's model, starts at x0 (every model there is built with the same
+    seed and is loaded with the server's initial model before round 1). The
+    server's model stays x0, as in the FedDR code; only its first aggregation
+    starts from the mean of the initial ``xhat_i``, zero
+    (:meth:`strategies.douglas_rachford.DouglasRachfordStrategy.combine`).
     """
-    if init == "zeros":
-        return OrderedDict((k, torch.zeros_like(v)) for k, v in received.items())
     if initial_model is None:
         raise RuntimeError("the ClientApp must set solver.initial_model (x0) before training")
-    return OrderedDict((k, initial_model[k].to(received[k].device)) for k in received)
+    x0 = OrderedDict((k, initial_model[k].to(received[k].device)) for k in received)
+
+    def copy() -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, v.clone()) for k, v in x0.items())
+
+    def zeros() -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, torch.zeros_like(v)) for k, v in x0.items())
+
+    if init == "zeros":
+        return zeros(), copy(), zeros()
+    return copy(), copy(), copy()
 
 
 class DouglasRachfordSolver(LocalSolver):
     """Inexact-prox DR client; params ``eta``, ``alpha``, ``prox_start``, ``init``.
 
     State per client (``dr``): ``y``, ``x`` (= x_i) and ``xhat``, one tensor each
-    per model entry, created the first time the client is selected at the
-    run's initial point (:func:`initial_point`).
+    per model entry, created the first time the client is selected
+    (:func:`initial_state`).
     """
 
     state_copies = 3
@@ -89,10 +123,7 @@ class DouglasRachfordSolver(LocalSolver):
         received = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())
         saved = state.get("dr", device)
         if saved is None:
-            start = initial_point(self.initial_model, received, self.params.init)
-            y = OrderedDict((k, v.clone()) for k, v in start.items())
-            x_local = OrderedDict((k, v.clone()) for k, v in start.items())
-            xhat = OrderedDict((k, v.clone()) for k, v in start.items())
+            y, x_local, xhat = initial_state(self.initial_model, received, self.params.init)
         else:
             y = OrderedDict((k, saved[f"y.{k}"]) for k in received)
             x_local = OrderedDict((k, saved[f"x.{k}"]) for k in received)

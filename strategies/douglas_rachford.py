@@ -3,7 +3,26 @@
 Clients reply with ``g_i = xhat_i' - xhat_i`` instead of weights; the server
 adds ``(1/n) sum_{i in S} g_i`` with ``n`` the total number of clients
 (FedCDR Algorithm 1, lines 8-9), which keeps the global model equal to the
-mean of all clients' ``xhat_i``. This module registers no algorithm itself.
+unweighted mean of all clients' ``xhat_i`` (appendix A, eq. 17) from the
+first aggregation on. This module registers no algorithm itself.
+
+Where the public FedDR code (github.com/unc-optimization/FedDR,
+``FedDR/flearn/trainers/feddr.py``) differs, and what we do:
+
+- It recomputes the model every round as ``prox_{eta g}`` of the average of
+  *all* clients' ``xhat_i`` (untrained clients' included), weighted by the
+  clients' sample counts ``N_i / N``; without a regularizer ``g`` the prox is
+  the identity. We keep the 1/n weights of FedCDR's Algorithm 1 (and of the
+  objective ``f = (1/n) sum_i f_i`` both papers minimize) and update
+  incrementally, because the server learns a client's sample count only
+  from its replies, and ``N`` needs every client's.
+- Its server starts at the model's initialization x0 while every client's
+  ``xhat_i`` starts at zero, so its first model ``x0`` is not the mean of the
+  ``xhat_i``; it does not need to be, because the next model is recomputed
+  from the ``xhat_i``. ``init='zeros'`` does the same: round 1 sends x0, and
+  the first aggregation adds the round's ``g_i`` to the mean of the initial
+  ``xhat_i`` (zero), not to x0. With ``init='model'`` the initial ``xhat_i``
+  are x0, so both bases agree.
 """
 
 from __future__ import annotations
@@ -57,15 +76,17 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
                 f"{run_cfg.algo} clients update their state every time they train, so dropping "
                 "their replies would break x = mean(xhat); use 'partial' (or 'auto')")
 
-    def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
-        """x0; zero with ``init='zeros'`` so that x = mean(xhat) holds from the start."""
-        if self.run_cfg.algo_params.init == "zeros":
-            return numpy_to_record({k: np.zeros_like(v) for k, v in record_to_numpy(arrays).items()})
-        return arrays
+    aggregated = False  # set on the instance by the first combine()
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``mean_i xhat_i + (1/n) sum g_i``. The mean of the ``xhat_i`` before
+        the round is the model that was sent, except in the first aggregation
+        with ``init='zeros'``: the model sent was x0, the ``xhat_i`` are zero."""
         assert self.global_arrays is not None
         x = record_to_numpy(self.global_arrays)
+        if not self.aggregated and self.run_cfg.algo_params.init == "zeros":
+            x = {k: np.zeros_like(v) for k, v in x.items()}
+        self.aggregated = True
         g_sum = {k: np.zeros_like(v) for k, v in x.items()}
         for reply in replies:
             for k, v in record_to_numpy(reply.content["arrays"]).items():

@@ -1,17 +1,22 @@
-"""Douglas-Rachford methods (FedCDR, FedDR) against Algorithm 1 of
-fedcdr-client-reshuffling-dr.txt.
+"""Douglas-Rachford methods (FedCDR, FedDR) against Algorithm 1 of the
+FedCDR paper ("Mitigating Data Heterogeneity Effect in Client-Reshuffling-
+Based Federated Learning") and the public FedDR code (Tran-Dinh et al.,
+NeurIPS 2021, arXiv:2103.03452).
 
 1. the pure rules (relax, reflect, server step) on hand-computed values;
-2. the real client solver's hooks (proximal gradient, upload, stored state);
-3. the server invariant x == mean_i xhat_i on real fast-runner runs;
+2. the real client solver's hooks (proximal gradient, upload, stored state),
+   including two local SGD steps with momentum and weight decay by hand;
+3. the server invariant x == mean_i xhat_i on real fast-runner runs, and
+   the server's first aggregation with ``init='zeros'``;
 4. the behaviour that motivates DR: on a heterogeneous federated
    least-squares problem with exact prox, FedCDR and FedDR reach the global
    minimizer while FedAvg with local steps stalls at a biased point.
 
-The invariant and cohort tests also guard two fixed bugs: clients first
-selected after round 1 used to initialise y/x_i/xhat from the model they
-received then instead of x0, and ``init='zeros'`` used to leave the server at
-x0 while the clients started at 0; both moved the server off mean(xhat).
+The invariant and cohort tests also guard fixed bugs: clients first selected
+after round 1 used to initialise y/x_i/xhat from the model they received
+then instead of x0; ``init='zeros'`` used to zero x_i and the server model
+too (the FedDR code zeroes only y_i and xhat_i), so a ReLU MLP never left
+its all-zero start.
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
 from clients.base import TrainData
 from clients.state import ContextState
 from fedaccel.config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
-from fakes import heterogeneous_least_squares
+from fakes import StubGrid, heterogeneous_least_squares, quadratic_local_steps
+from fedaccel.registry import get_algorithm
+from strategies.base import Federation
 from fedaccel.samplers import reshuffle_cohort, uniform_cohort
 
 CPU = torch.device("cpu")
@@ -172,22 +179,69 @@ def test_second_round_relax_prox_start_and_upload(prox_start):
                             "xhat.weight": [[2.5, -0.5]]}
 
 
-def test_init_zeros_starts_y_x_and_xhat_at_zero():
-    """init='zeros': a new client starts from y = x_i = xhat = 0 (the server
-    also starts at 0). Received [1, 2]: y' = 0 + 1 * ([1, 2] - 0) = [1, 2]; at
-    w = [1, 2] the prox gradient is 0; xhat' = 2 w - y' = [1, 2]; g = xhat' - 0."""
-    solver = DouglasRachfordSolver(dr_cfg("feddr", eta=4.0, init="zeros"))
+def test_init_zeros_zeroes_y_and_xhat_but_x_i_starts_at_x0():
+    """init='zeros' as the FedDR code (client_dr.py: y_i = x_hat = 0, the
+    client's model x_i = the initial model): x0 = [1, 2], a client first
+    selected in a later round receives x = [3, 0], alpha 1, eta 4.
+    y' = 0 + 1 * ([3, 0] - [1, 2]) = [2, -2]; prox-start local starts at
+    x_i = x0 = [1, 2]; prox gradient there (x0 - y') / 4 = [-0.25, 1];
+    xhat' = 2 [1, 2] - [2, -2] = [0, 6]; g = xhat' - 0 = [0, 6].
+    (The old code started x_i at 0: the solver started at [0, 0].)"""
+    solver = DouglasRachfordSolver(dr_cfg("feddr", eta=4.0, init="zeros", **{"prox-start": "local"}))
     state = ContextState(RecordDict())
-    model = linear([[1.0, 2.0]])
+    model = linear([[3.0, 2.0]])
+    solver.initial_model = {"weight": t([[1.0, 2.0]])}
+    set_weight(model, [[3.0, 0.0]])  # the server model of a later round
     solver.begin_round(model, {}, state)
-    torch.testing.assert_close(model.weight.detach(), t([[1.0, 2.0]]))  # prox-start server
+    torch.testing.assert_close(solver.y["weight"], t([[2.0, -2.0]]))
+    torch.testing.assert_close(model.weight.detach(), t([[1.0, 2.0]]))  # x_i = x0
     model.weight.grad = torch.zeros(1, 2)
     solver.transform_gradients(model)
-    torch.testing.assert_close(model.weight.grad, t([[0.0, 0.0]]))  # (w - y') / 4
+    torch.testing.assert_close(model.weight.grad, t([[-0.25, 1.0]]))
     g = solver.upload(model, state)
-    np.testing.assert_allclose(g["weight"].numpy(), [[1.0, 2.0]])
-    assert saved(state) == {"y.weight": [[1.0, 2.0]], "x.weight": [[1.0, 2.0]],
-                            "xhat.weight": [[1.0, 2.0]]}
+    np.testing.assert_allclose(g["weight"].numpy(), [[0.0, 6.0]])
+    assert saved(state) == {"y.weight": [[2.0, -2.0]], "x.weight": [[1.0, 2.0]],
+                            "xhat.weight": [[0.0, 6.0]]}
+
+
+def test_two_prox_sgd_steps_with_momentum_and_weight_decay_by_hand():
+    """Two local steps on f(z) = 0.5 z^T h z - c^T z, h = diag(1, 2), c = [1, 1],
+    with torch SGD: lr 0.5, momentum 0.5, weight decay 0.1; eta 2, alpha 0.5.
+    x0 = [1, 2]; first selected in a later round, receiving x = [3, 0]:
+    y = x0 + 0.5 (x - x0) = [2, 1]; xhat_old = x0 = [1, 2]; the solver starts
+    at x (prox-start server): p0 = [3, 0].
+
+    step 1: grad f(p0) = [3 - 1, 0 - 1] = [2, -1]
+            + (p0 - y)/eta = [1, -1]/2 = [0.5, -0.5]   -> p.grad = [2.5, -1.5]
+            + weight decay 0.1 p0 = [0.3, 0]           -> d1 = [2.8, -1.5]
+            buf1 = d1;  p1 = p0 - 0.5 buf1 = [1.6, 0.75]
+    step 2: grad f(p1) = [1.6 - 1, 1.5 - 1] = [0.6, 0.5]
+            + (p1 - y)/eta = [-0.4, -0.25]/2 = [-0.2, -0.125] -> [0.4, 0.375]
+            + 0.1 p1 = [0.16, 0.075]                   -> d2 = [0.56, 0.45]
+            buf2 = 0.5 buf1 + d2 = [1.4 + 0.56, -0.75 + 0.45] = [1.96, -0.3]
+            p2 = p1 - 0.5 buf2 = [1.6 - 0.98, 0.75 + 0.15] = [0.62, 0.9]
+    x_i = p2 = [0.62, 0.9]; xhat = 2 p2 - y = [-0.76, 0.8];
+    g = xhat - xhat_old = [-1.76, -1.2].
+
+    Wrong rules end elsewhere: the prox step applied after each optimizer
+    step (p -= lr (p - y)/eta, outside momentum) gives p2 = [1.0808, 0.7891];
+    no prox gradient [0.7575, 0.725]; the received x instead of the relaxed
+    y [1.045, 0.6]; plain SGD without momentum [1.32, 0.525]."""
+    cfg = parse_run_config(fuse(default_run_config(), {
+        "algo": "fedcdr", "momentum": 0.5, "weight-decay": 0.1,
+        "fedcdr.eta": 2.0, "fedcdr.alpha": 0.5}))
+    solver = DouglasRachfordSolver(cfg)
+    solver.initial_model = {"weight": torch.tensor([[1.0, 2.0]], dtype=torch.float64)}
+    state = ContextState(RecordDict())
+    model = linear([[3.0, 0.0]], dtype=torch.float64)
+    solver.begin_round(model, {}, state)
+    quadratic_local_steps(solver, model, 0.5, np.diag([1.0, 2.0]), np.array([1.0, 1.0]), steps=2)
+    g = solver.upload(model, state)
+    np.testing.assert_allclose(g["weight"].numpy(), [[-1.76, -1.2]], rtol=0, atol=1e-12)
+    stored = {k: v.numpy() for k, v in state.get("dr", CPU).items()}
+    np.testing.assert_allclose(stored["y.weight"], [[2.0, 1.0]], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(stored["x.weight"], [[0.62, 0.9]], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(stored["xhat.weight"], [[-0.76, 0.8]], rtol=0, atol=1e-12)
 
 
 def test_fit_runs_prox_sgd_by_hand():
@@ -291,6 +345,66 @@ def test_invariant_feddr_uniform_real_run(tmp_path, quiet):
         np.testing.assert_allclose(final[k], mean[k], atol=1e-5, rtol=0)
 
 
+def test_invariant_and_symmetry_breaking_feddr_init_zeros_real_run(tmp_path, quiet):
+    """init='zeros', seed 1: partition 0 never trains, its xhat counts as 0.
+    The global model stays the mean over all 6 clients of xhat_i, and the
+    MLP's hidden layer leaves its initialization with distinct rows. (With
+    the old code, which zeroed x_i and the server model too, fc1 stayed
+    exactly zero: a ReLU MLP at zero has no gradient into its hidden layer.)"""
+    cfg, grid, final = run_on_grid(tmp_path, "feddr", seed=1, **{"feddr.init": "zeros"})
+    zeros = {k: np.zeros_like(v) for k, v in final.items()}
+    mean, trained = mean_xhat(grid, final, zeros)
+    assert trained == 5
+    for k in final:
+        np.testing.assert_allclose(final[k], mean[k], atol=1e-5, rtol=0)
+    w1 = final["fc1.weight"]
+    assert np.abs(w1).max() > 1e-2
+    assert len(np.unique(w1.round(6), axis=0)) == w1.shape[0]  # 32 distinct hidden units
+
+
+NODES = {0: 101, 1: 102, 2: 103}
+
+
+def _strategy(init: str):
+    cfg = parse_run_config(fuse(default_run_config(), {
+        "algo": "feddr", "clients-per-round": 3, "feddr.init": init}))
+    return get_algorithm("feddr").build_strategy(cfg, Federation(dict(NODES)))
+
+
+def _record(values) -> ArrayRecord:
+    return ArrayRecord({"w": Array(np.asarray(values, dtype=np.float64))})
+
+
+def _round(strategy, server_round: int, sent, g_by_node: dict[int, list]) -> np.ndarray:
+    msgs = list(strategy.configure_train(server_round, _record(sent), ConfigRecord(),
+                                         StubGrid(NODES.values())))
+    replies = []
+    for i, m in enumerate(msgs):
+        m.metadata.__dict__["_message_id"] = f"r{server_round}-m{i}"
+        content = RecordDict({"arrays": _record(g_by_node[m.metadata.dst_node_id]),
+                              "metrics": MetricRecord({"num-examples": 1, "train-loss": 1.0})})
+        replies.append(Message(content, reply_to=m))
+    new, _ = strategy.aggregate_train(server_round, replies)
+    return new["w"].numpy()
+
+
+@pytest.mark.usefixtures("server_identity")
+@pytest.mark.parametrize("init", ["model", "zeros"])
+def test_server_sends_x0_and_first_aggregation_starts_from_mean_of_initial_xhat(init):
+    """n = 3, x0 = [1, 2]; both inits send x0 in round 1 (the FedDR code's
+    server starts at the model's initialization). Round 1 replies g = [3, 0],
+    [0, 3], [0, 0]: x1 = mean(xhat^0) + [3, 3]/3, with mean(xhat^0) = x0 for
+    'model' ([2, 3]) and 0 for 'zeros' ([1, 1]). Round 2 (g sum [3, -3]) adds
+    to the model sent, x1, in both."""
+    strategy = _strategy(init)
+    x0 = _record([1.0, 2.0])
+    np.testing.assert_array_equal(strategy.initial_model(x0)["w"].numpy(), [1.0, 2.0])
+    x1 = _round(strategy, 1, [1.0, 2.0], {101: [3.0, 0.0], 102: [0.0, 3.0], 103: [0.0, 0.0]})
+    np.testing.assert_allclose(x1, [2.0, 3.0] if init == "model" else [1.0, 1.0], rtol=0, atol=1e-15)
+    x2 = _round(strategy, 2, x1, {101: [3.0, 0.0], 102: [0.0, -3.0], 103: [0.0, 0.0]})
+    np.testing.assert_allclose(x2, x1 + [1.0, -1.0], rtol=0, atol=1e-15)
+
+
 # --------------------------------------------------------------------------- #
 # 4. heterogeneity: federated least squares with exact prox
 # --------------------------------------------------------------------------- #
@@ -375,16 +489,18 @@ def test_fedavg_full_participation_converges_to_wrong_fixed_point(lsq):
 def run_dr_real_solver(lsq, cohort_size, init="model", x0=1.0, eta=1.0, rounds=100):
     """The real DouglasRachfordSolver (state handling, relax, reflect, upload)
     with the local training replaced by the exact prox of the client's
-    least-squares loss; server step x += sum(g)/n as the strategy does."""
+    least-squares loss; the server as the strategy does it: round 1 sends x0,
+    then x = mean(initial xhat) + sum(g)/n, and x + sum(g)/n after that.
+    Checks x == mean over all clients of xhat_i after every round (a client
+    that never trained counts with its initial xhat: x0, or 0 for 'zeros')."""
     H, c, z_star = lsq
     solver = DouglasRachfordSolver(dr_cfg("fedcdr", eta=eta, init=init))
-    # What the ClientApp and the strategy do: the solver knows x0, and with
-    # init='zeros' the server starts at zero (x = mean(xhat) from the start).
     solver.initial_model = {"weight": torch.full((1, D), x0, dtype=torch.float64)}
     prox = [np.linalg.inv(h + np.eye(D) / eta) for h in H]
     states = [ContextState(RecordDict()) for _ in range(N)]
     model = torch.nn.Linear(D, 1, bias=False, dtype=torch.float64)
-    x = np.zeros(D) if init == "zeros" else np.full(D, x0)
+    initial_xhat = np.zeros(D) if init == "zeros" else np.full(D, x0)
+    x, base = np.full(D, x0), initial_xhat  # sent in round 1; mean of the xhat_i
     for r in range(1, rounds + 1):
         g_sum = np.zeros(D)
         for i in reshuffle_cohort(0, r, N, cohort_size):
@@ -393,7 +509,10 @@ def run_dr_real_solver(lsq, cohort_size, init="model", x0=1.0, eta=1.0, rounds=1
             y = solver.y["weight"].numpy()[0]
             set_weight(model, (prox[i] @ (c[i] + y / eta))[None])
             g_sum += solver.upload(model, states[i])["weight"].numpy()[0]
-        x = server_step(x, g_sum, N)
+        x = base = server_step(base, g_sum, N)
+        xhat = [st.get("dr", CPU) for st in states]
+        mean = np.mean([initial_xhat if s is None else s["xhat.weight"].numpy()[0] for s in xhat], axis=0)
+        np.testing.assert_allclose(x, mean, rtol=0, atol=1e-12)
     return np.linalg.norm(x - z_star)
 
 
