@@ -1,4 +1,6 @@
-"""FedCDR: Federated Client Reshuffling Douglas-Rachford (fedcdr-client-reshuffling-dr.txt).
+"""FedCDR: Federated Client Reshuffling Douglas-Rachford ("Mitigating Data
+Heterogeneity Effect in Client-Reshuffling-Based Federated Learning",
+anonymous, under double-blind review).
 
 Algorithm 1: reshuffled cohorts (every client once per meta-epoch), a
 Douglas-Rachford step with an inexact prox on each selected client

@@ -1,8 +1,14 @@
-"""FedDR (Tran-Dinh et al. 2021): the Douglas-Rachford rule of FedCDR with
-ordinary random client sampling (``sampler='uniform'``).
+"""FedDR (Tran-Dinh, Pham, Phan, Nguyen, "FedDR - Randomized Douglas-Rachford
+Splitting Algorithms for Nonconvex Federated Composite Optimization", NeurIPS
+2021, arXiv:2103.03452) without its regularizer: the Douglas-Rachford client
+rule of FedCDR with ordinary random client sampling (``sampler='uniform'``).
 
-``feddr.init='zeros'`` reproduces the public FedDR code, which starts ``y``
-and ``xhat`` at zero instead of at the initial model.
+``feddr.init='zeros'`` starts a client's ``y_i`` and ``xhat_i`` at zero and
+its ``x_i`` at the initial model x0, as the public FedDR code does; the server
+sends x0 in round 1 with either init. What still differs from that code (1/n
+instead of sample-count weights on the server, the run's momentum and weight
+decay in the prox solver, ``prox-start='server'`` by default) is listed in
+:mod:`strategies.douglas_rachford` and docs/fedcdr.md.
 """
 
 from __future__ import annotations
