@@ -3,7 +3,13 @@
 - corrections by hand through the real solvers (both go through momentum);
 - SCAFFOLD's c_i rule with local momentum: the mean trajectory gradient is
   exact, option II's (x - y)/(K lr) overstates it ~1/(1-m) = 5x at m = 0.8;
-- server steps by hand; control variates counted in bytes_down / bytes_up;
+- SCAFFOLD's mean-gradient c_i includes weight decay (by hand; equals option II
+  with weight decay and no momentum);
+- server steps by hand, with partial participation (N counts every client);
+  control variates counted in bytes_down / bytes_up;
+- the server state is the mean over ALL N clients of the client states (FedDyn:
+  h = mean grad_prev_i; SCAFFOLD: c = mean c_i), real strategy and solvers over
+  several rounds of partial participation with a never-sampled client;
 - heterogeneous least squares, full participation: both reach the global
   minimizer where FedAvg with local steps stalls at a biased point.
 """
@@ -92,10 +98,32 @@ def test_scaffold_correction_through_momentum_and_dc_by_hand():
     assert state.get("scaffold", torch.device("cpu"))["c.weight"].tolist() == [[1.5, 0.5]]
 
 
-def test_option_ii_equals_mean_gradient_without_momentum():
+def test_scaffold_mean_gradient_includes_weight_decay_by_hand():
+    """c = [1, 0], c_i = [0, 2], lr 0.1, weight decay 0.5, no momentum, grads [1,1], [2,0].
+
+    The mean-gradient c_i+ is the mean of g_k + wd * y_k (the gradient of the
+    local objective SGD minimises), y_k the weights the gradient was taken at."""
+    solver = ScaffoldSolver(cfg("scaffold", wd=0.5))
+    model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+    state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
+    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+    sgd_steps(solver, model, [[1.0, 1.0], [2.0, 0.0]], 0.1)
+    # step 1 at y0 = [0, 2]: g + wd y = [1, 2]; SGD direction [2,-1] + 0.5 [0,2] = [2, 0]; y1 = [-0.2, 2]
+    # step 2 at y1: g + wd y = [1.9, 1]; direction [3,-2] + 0.5 [-0.2,2] = [2.9, -1]; y2 = [-0.49, 2.1]
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], [-0.49, 2.1], atol=1e-14)
+    extra = solver.end_round(model, state)
+    # c_i+ = mean([1, 2], [1.9, 1]) = [1.45, 1.5]; dc = c_i+ - c_i = [1.45, -0.5]
+    np.testing.assert_allclose(extra[DC_RECORD]["weight"].numpy()[0], [1.45, -0.5], atol=1e-14)
+    np.testing.assert_allclose(state.get("scaffold", torch.device("cpu"))["c.weight"].numpy()[0],
+                               [1.45, 1.5], atol=1e-14)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.5])
+def test_option_ii_equals_mean_gradient_without_momentum(wd):
+    """Plain SGD: (x - y_K)/(K lr) + c_i - c = mean of (g_k + wd y_k), weight decay included."""
     out = {}
     for rule in ("mean-gradient", "option-ii"):
-        solver = ScaffoldSolver(cfg("scaffold", **{"cv-update": rule}))
+        solver = ScaffoldSolver(cfg("scaffold", wd=wd, **{"cv-update": rule}))
         model, state = linear([0.0, 2.0]), ContextState(RecordDict())
         state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
         solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
@@ -174,6 +202,75 @@ def test_feddyn_server_by_hand():
     # sum(theta_k - x) = [3, 0]; h = -0.5/3 [3, 0] = [-0.5, 0]; theta = [2,2] - h/0.5 = [3, 2]
     np.testing.assert_allclose(strategy.h["w"], [-0.5, 0.0], atol=1e-12)
     np.testing.assert_allclose(x, [3.0, 2.0], atol=1e-6)
+
+
+def test_feddyn_server_divides_by_all_clients_by_hand():
+    """N = 4 clients, 3 sampled: h moves by alpha/N (not alpha/|P|) times the summed updates."""
+    nodes = {**NODES, 3: 104}
+    strategy = get_algorithm("feddyn").build_strategy(cfg("feddyn", alpha=0.5), Federation(nodes))
+    strategy.sample_cohort = lambda r: [0, 1, 2]
+    _, _, x = one_round(strategy, 1, [1.0, 2.0], [[0.5, 1.0], [2.0, 4.0], [3.5, 1.0]])
+    # sum(theta_k - x) = [3, 0]; h = -0.5/4 [3, 0] = [-0.375, 0]; theta = [2, 2] - h/0.5 = [2.75, 2]
+    np.testing.assert_allclose(strategy.h["w"], [-0.375, 0.0], atol=1e-12)
+    np.testing.assert_allclose(x, [2.75, 2.0], atol=1e-6)
+    # round 2 from [2.75, 2], client 3 alone: sum = [0.25, 1]; h = [-0.375, 0] - 0.5/4 [0.25, 1]
+    strategy.sample_cohort = lambda r: [3]
+    msgs = list(strategy.configure_train(2, rec(x), ConfigRecord(), StubGrid(nodes.values())))
+    msgs[0].metadata.__dict__["_message_id"] = "r2m0"
+    reply = Message(RecordDict({"arrays": rec([3.0, 3.0]),
+                                "metrics": MetricRecord({"num-examples": 5, "train-loss": 1.0})}),
+                    reply_to=msgs[0])
+    arrays, _ = strategy.aggregate_train(2, [reply])
+    np.testing.assert_allclose(strategy.h["w"], [-0.40625, -0.125], atol=1e-12)
+    np.testing.assert_allclose(arrays["w"].numpy(), [3.8125, 3.25], atol=1e-6)  # [3,3] - h/0.5
+
+
+def federated_rounds(algo, cohorts, n=4, momentum=0.5, wd=0.1, lr=0.05, steps=4, **params):
+    """The real strategy (configure_train / aggregate_train) and the real solver
+    on client p's least squares (float64 one-row linear model), one cohort per
+    round; yields (round, strategy, client states) after every round."""
+    H, c, _, _ = heterogeneous_least_squares(n, 3, 8, seed=1)
+    nodes = {p: 201 + p for p in range(n)}
+    conf = cfg(algo, momentum=momentum, wd=wd, **params)
+    strategy = get_algorithm(algo).build_strategy(conf, Federation(dict(nodes)))
+    strategy.sample_cohort = lambda r: list(cohorts[r - 1])
+    solver = get_algorithm(algo).solver(conf)
+    states = [ContextState(RecordDict()) for _ in range(n)]
+    x = ArrayRecord({"weight": Array(np.zeros((1, 3)))})
+    for r in range(1, len(cohorts) + 1):
+        replies = []
+        for i, msg in enumerate(strategy.configure_train(r, x, ConfigRecord(), StubGrid(nodes.values()))):
+            msg.metadata.__dict__["_message_id"] = f"r{r}m{i}"
+            p = strategy.federation.partition_of_node[msg.metadata.dst_node_id]
+            model = linear(msg.content["arrays"]["weight"].numpy()[0].tolist())
+            solver.received = {k: v for k, v in msg.content.array_records.items() if k != "arrays"}
+            solver.begin_round(model, {"server-round": r, "lr": lr}, states[p])
+            quadratic_local_steps(solver, model, lr, H[p], c[p], steps)
+            extra = solver.end_round(model, states[p])
+            content = {"arrays": ArrayRecord({"weight": Array(model.weight.detach().numpy().copy())}),
+                       "metrics": MetricRecord({"num-examples": 10 * (p + 1), "train-loss": 1.0}), **extra}
+            replies.append(Message(RecordDict(content), reply_to=msg))
+        x, _ = strategy.aggregate_train(r, replies)
+        yield r, strategy, states
+
+
+@pytest.mark.parametrize("algo, name, key, server_state", [
+    ("feddyn", "feddyn", "grad_prev.weight", lambda s: s.h["weight"]),
+    ("scaffold", "scaffold", "c.weight", lambda s: s.c["weight"]),
+])
+def test_server_state_is_mean_over_all_clients(algo, name, key, server_state):
+    """Partial participation (2 of N = 4 per round, client 3 never sampled):
+    FedDyn's h equals the mean over all N clients of their grad_prev, and
+    SCAFFOLD's c the mean over all N of their c_i (a never-sampled client
+    counts with its zero state), after every round."""
+    cohorts = [(0, 1), (1, 2), (0, 2), (2, 1), (0, 1)]
+    params = {"alpha": 0.5} if algo == "feddyn" else {}
+    for r, strategy, states in federated_rounds(algo, cohorts, **params):
+        client = [st.get(name, torch.device("cpu")) for st in states]
+        assert client[3] is None  # never sampled: its state is still the initial zero
+        mean = sum(s[key].numpy() for s in client if s is not None) / len(states)
+        assert np.abs(mean).max() > 1e-3  # not trivially zero
+        np.testing.assert_allclose(server_state(strategy), mean, rtol=0, atol=1e-12, err_msg=f"round {r}")
 
 
 # --------------------------------------------------------------------------- #
