@@ -48,7 +48,12 @@ WEIGHTINGS = ("examples", "uniform")
 @dataclass(frozen=True)
 class FedACGParams:
     """``fedacg.*``: ``lam`` (momentum / lookahead), ``beta`` (local pull), the
-    three Table 4 switches and the aggregation ``weighting``."""
+    three Table 4 switches and the aggregation ``weighting``.
+
+    Defaults from the paper: ``lam`` 0.85 and ``beta`` 0.01 are the best
+    values of Table 5a/5b (section 4.3); all three components on and
+    example-weighted ``omega_i`` are Algorithm 1 and eq. (1) (section 3).
+    """
 
     lam: float = 0.85
     beta: float = 0.01

@@ -25,7 +25,12 @@ from strategies.server_steps import RelaxedAggregation, numpy_to_record, plain_m
 
 @dataclass(frozen=True)
 class FedRKMGCParams:
-    """``fedrkmgc.beta``, ``.rho``, ``.gamma`` (paper defaults, section 4.1) and ``.variant``."""
+    """``fedrkmgc.beta``, ``.rho``, ``.gamma`` and ``.variant``.
+
+    Defaults: the paper's, section 4 (training settings: beta 0.03, rho 1.5,
+    gamma 500) and appendix D.2 (beta from the grid of Table 7; rho and gamma
+    fixed after Figure 4); ``full`` is Algorithm 1.
+    """
 
     beta: float = 0.03
     rho: float = 1.5

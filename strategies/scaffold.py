@@ -32,7 +32,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ScaffoldParams:
-    """``scaffold.server-lr`` (global step size) and ``scaffold.cv-update``."""
+    """``scaffold.server-lr`` (global step size) and ``scaffold.cv-update``.
+
+    Defaults: server lr 1 (Karimireddy et al. 2020, section 7: "we always use
+    global step-size eta_g = 1"); ``mean-gradient`` is option II computed from
+    the gradients the client took, identical to the formula at momentum 0.
+    """
 
     server_lr: float = 1.0
     cv_update: str = "mean-gradient"
