@@ -16,9 +16,10 @@ Both return empty lists unless a run-config key switches a layer on.
 Layers wired here:
 
 - GC-Fed's gradient centralization, ``gc.mode`` in none | local | global |
-  hybrid (``gc.lambda``, ``gc.global-layers``): local GC is a client gradient
-  transform on the local tensors, global GC a server update transform on the
-  global ones (clients/gradient_centralization.py, docs/fedacg-gcfed.md).
+  hybrid | local-only (``gc.lambda``, ``gc.global-layers``, ``gc.vectors``,
+  ``gc.weight-decay``): local GC is a client gradient transform on the local
+  tensors, global GC a server update transform on the global ones
+  (clients/gradient_centralization.py, docs/fedacg-gcfed.md).
 """
 
 from __future__ import annotations
@@ -43,8 +44,29 @@ def client_gradient_transforms(cfg: RunConfig, model: torch.nn.Module) -> list[G
     if gc is not None and gc.mode != "none":
         local, _ = gc_partition(gc.mode, list(model.named_parameters()), gc.lam, gc.global_layers)
         if local:
-            out.append(local_gc_transform(model, local))
+            decay = optimizer_weight_decay(cfg, model) if gc.weight_decay == "centralized" else None
+            out.append(local_gc_transform(model, local, gc.vectors, decay))
     return out
+
+
+def optimizer_weight_decay(cfg: RunConfig, model: torch.nn.Module) -> dict[str, float]:
+    """Per tensor name, the weight decay this run's optimizer adds to ``p.grad``
+    inside ``optimizer.step()``, i.e. after the gradient transforms.
+
+    Asked of the algorithm's own ``make_optimizer`` (its param groups), not
+    read from ``weight-decay``: a solver may build its optimizer without decay
+    and add the decay to ``p.grad`` itself before the transforms (FedPM does,
+    to precondition it), in which case GC already sees it and nothing is to be
+    corrected (an empty dict).
+    """
+    if not cfg.weight_decay:
+        return {}
+    from fedaccel.registry import get_algorithm
+
+    optimizer = get_algorithm(cfg.algo).solver(cfg).make_optimizer(model, 1.0)
+    by_id = {id(p): float(group.get("weight_decay", 0.0))
+             for group in optimizer.param_groups for p in group["params"]}
+    return {n: by_id[id(p)] for n, p in model.named_parameters() if by_id.get(id(p), 0.0)}
 
 
 def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:
@@ -54,5 +76,5 @@ def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:
     out: list[UpdateTransform] = []
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode in ("global", "hybrid"):
-        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers))
+        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers, gc.vectors))
     return out

@@ -88,20 +88,27 @@ class SyntheticConfig:
 class GCConfig:
     """Gradient centralization on top of any algorithm (``gc.*``; GC-Fed paper).
 
-    ``mode``: none | local (LocalGC) | global (GlobalGC) | hybrid (GC-Fed);
-    the key's ``auto`` resolves to the algorithm's ``default_gc_mode`` (its
-    params class attribute; ``none`` when absent). ``lam`` (key ``gc.lambda``):
-    share of parameter tensors, in ``named_parameters()`` order, with local GC
-    in hybrid mode; ``global_layers``: comma-separated module names (``fc``)
-    that get global GC explicitly. See clients/gradient_centralization.py.
+    ``mode``: none | local (LocalGC) | global (GlobalGC) | hybrid (GC-Fed) |
+    local-only (hybrid's local part, no GC past the borderline: the paper's
+    Figure 9 "Local GC only"); the key's ``auto`` resolves to the algorithm's
+    ``default_gc_mode`` (its params class attribute; ``none`` when absent).
+    ``lam`` (key ``gc.lambda``): share of parameter tensors, in
+    ``named_parameters()`` order, with local GC in hybrid / local-only mode;
+    ``global_layers``: comma-separated module names (``fc``) kept out of local
+    GC (global GC in hybrid). ``vectors`` (``gc.vectors``): keep | mean, what
+    GC does to 1-D tensors. ``weight_decay`` (``gc.weight-decay``):
+    centralized | raw, whether local GC centralizes the optimizer's weight-decay
+    term too. See clients/gradient_centralization.py.
     """
 
     mode: str = "none"
     lam: float = 1.0
     global_layers: str = "fc"
+    vectors: str = "keep"
+    weight_decay: str = "centralized"
 
 
-GC_MODES = ("auto", "none", "local", "global", "hybrid")
+GC_MODES = ("auto", "none", "local", "global", "hybrid", "local-only")
 
 
 @dataclass(frozen=True)
@@ -295,17 +302,22 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     require(0 <= straggler_fraction < 1, "straggler-fraction", cfg["straggler-fraction"],
             "must be in [0, 1): the share of each cohort that does fewer local epochs")
 
+    from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
+
     gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
     gc = GCConfig(
         mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
         lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else 1.0,
         global_layers=_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg else "fc",
+        vectors=_string(cfg, "gc.vectors", VECTOR_RULES) if "gc.vectors" in cfg else "keep",
+        weight_decay=(_string(cfg, "gc.weight-decay", WEIGHT_DECAY_RULES)
+                      if "gc.weight-decay" in cfg else "centralized"),
     )
     require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
 
     require(not (gc.mode in ("global", "hybrid") and spec.global_gc_refused), "gc.mode", gc.mode,
             f"is refused with algo='{algo}': {spec.global_gc_refused}; use gc.mode='local' "
-            "(client-side GC only) or 'none'")
+            "or 'local-only' (client-side GC only) or 'none'")
 
     return RunConfig(
         algo=algo,

@@ -1,5 +1,8 @@
 """GC-Fed (gradient centralization for FL), Algorithm 1: FedAvg + ``gc.mode='hybrid'``.
 
+Paper: "GC-Fed: Gradient Centralized Federated Learning with Partial Client
+Participation", Seo, Catak, Rong, Hong, Kim, 2025, arXiv:2503.13180.
+
 GC itself is not part of this algorithm's code: it is a layer in
 :mod:`fedaccel.composition` switched on by ``gc.mode`` for *any* algorithm
 (local GC = client gradient transform, global GC = server update transform;
@@ -9,6 +12,8 @@ clients/gradient_centralization.py). ``gcfed`` only sets the default of
 - ``algo='gcfed'``                       -> GC-Fed (hybrid, ``gc.lambda``, ``gc.global-layers``)
 - ``algo='gcfed' gc.mode='local'``       -> LocalGC (lambda = 1)
 - ``algo='gcfed' gc.mode='global'``      -> GlobalGC (lambda = 0)
+- ``algo='gcfed' gc.mode='local-only'``  -> Figure 9's "Local GC only": local GC on
+  hybrid's local tensors, no GC on the rest (lambda = 0: no GC at all)
 - ``algo='fedprox' gc.mode='hybrid'``    -> FedProx with GC-Fed (Table 7)
 
 Aggregation: Algorithm 1 line 13 averages the client updates *unweighted*,

@@ -256,3 +256,219 @@ def test_gcfed_default_is_unweighted_mean_then_global_gc():
     np.testing.assert_allclose(out["fc.weight"], [[-1 / 3, -1 / 3, 2 / 3]], rtol=1e-14)
     np.testing.assert_allclose(out["fc1.weight"], [[4 / 3, 2.0], [5 / 3, 4 / 3]], rtol=1e-14)
     np.testing.assert_allclose(out["fc.bias"], [5 / 3], rtol=1e-14)
+
+
+# --------------------------------------------------------------------------- #
+# gc.mode='local-only': Figure 9's "Local GC only" (no GC past the borderline)
+# --------------------------------------------------------------------------- #
+def test_local_only_partition():
+    # hybrid's local part, nothing global
+    assert gc_partition("local-only", MLP_NAMES, 1.0, "fc") == (MLP_NAMES[:2], [])
+    assert gc_partition("local-only", MLP_NAMES, 0.75, "") == (MLP_NAMES[:3], [])  # floor(3)
+    assert gc_partition("local-only", MLP_NAMES, 1.0, "") == (MLP_NAMES, [])  # = LocalGC
+    assert gc_partition("local-only", MLP_NAMES, 0.0, "") == ([], [])  # = FedAvg
+    assert gc_partition("hybrid", MLP_NAMES, 0.75, "") == (MLP_NAMES[:3], MLP_NAMES[3:])
+
+
+def test_local_only_config_and_composition():
+    cfg = run_cfg("gcfed", **{"gc.mode": "local-only"})
+    assert (cfg.gc.mode, cfg.gc.lam, cfg.gc.global_layers) == ("local-only", 1.0, "fc")
+    model = build_model("mlp", (6,), 3)
+    assert len(client_gradient_transforms(cfg, model)) == 1
+    assert server_update_transforms(cfg) == []
+    # client-side only, so allowed where global GC is refused
+    assert run_cfg("feddyn", **{"gc.mode": "local-only"}).gc.mode == "local-only"
+    with pytest.raises(ConfigError, match="local-only"):
+        run_cfg("feddyn", **{"gc.mode": "hybrid"})
+
+
+def test_local_only_client_step_centralizes_only_the_local_tensors():
+    plain = fedprox_one_step()
+    only = fedprox_one_step(**{"gc.mode": "local-only", "gc.lambda": 0.5, "gc.global-layers": ""})
+    torch.testing.assert_close(only["fc1.weight"], centralize(plain["fc1.weight"]), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(only["fc1.weight"], plain["fc1.weight"])
+    for name in ("fc1.bias", "fc.weight", "fc.bias"):
+        assert torch.equal(only[name], plain[name]), name
+
+
+def test_local_only_server_is_the_plain_mean():
+    """Same replies as test_gcfed_default_is_unweighted_mean_then_global_gc:
+    hybrid centralizes the classifier's update [[1, 1, 2]] into
+    [[-1/3, -1/3, 2/3]]; local-only leaves it (no global GC), so the model is
+    the unweighted mean of the replies."""
+    out = one_round(get_algorithm("gcfed").build_strategy(run_cfg("gcfed", **{"gc.mode": "local-only"}),
+                                                          Federation(dict(NODES))),
+                    rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], [1, 1, 2])
+    np.testing.assert_allclose(out["fc.weight"], [[1.0, 1.0, 2.0]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc.bias"], [5 / 3], rtol=1e-14)
+    np.testing.assert_allclose(out["fc1.weight"], [[4 / 3, 2.0], [5 / 3, 4 / 3]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc1.bias"], [2 / 3, 4 / 3], rtol=1e-14)
+
+
+# --------------------------------------------------------------------------- #
+# gc.vectors: what GC does to 1-D tensors (keep | mean, the authors' code)
+# --------------------------------------------------------------------------- #
+def linear_with_grads(weight, bias, grad_w, grad_b):
+    model = torch.nn.Linear(len(weight[0]), len(weight))
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(weight))
+        model.bias.copy_(torch.tensor(bias))
+    model.weight.grad = torch.tensor(grad_w)
+    model.bias.grad = torch.tensor(grad_b)
+    return model
+
+
+def test_vectors_config():
+    assert run_cfg("gcfed").gc.vectors == "keep"
+    assert run_cfg("gcfed", **{"gc.vectors": "mean"}).gc.vectors == "mean"
+    with pytest.raises(ConfigError, match="gc.vectors"):
+        run_cfg("gcfed", **{"gc.vectors": "zero"})
+
+
+@pytest.mark.parametrize("vectors,bias_grad", [("keep", [1.0, 2.0, 6.0]), ("mean", [-2.0, -1.0, 3.0])])
+def test_vectors_local_gc_on_a_bias(vectors, bias_grad):
+    """Bias gradient [1, 2, 6]: kept, or minus its scalar mean 3 -> [-2, -1, 3].
+    The weight rows [[1, 3], [2, 2], [0, 4]] lose their means 2, 2, 2 either way."""
+    cfg = run_cfg("fedavg", **{"gc.mode": "local", "gc.vectors": vectors})
+    model = linear_with_grads([[0.0, 0.0]] * 3, [0.0] * 3, [[1.0, 3.0], [2.0, 2.0], [0.0, 4.0]], [1.0, 2.0, 6.0])
+    for transform in client_gradient_transforms(cfg, model):
+        transform(model)
+    torch.testing.assert_close(model.bias.grad, torch.tensor(bias_grad))
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[-1.0, 1.0], [0.0, 0.0], [-2.0, 2.0]]))
+
+
+def test_vectors_mean_global_gc_by_hand():
+    """GlobalGC, unweighted mean of CLIENTS: fc1.bias update [2/3, 4/3] (mean 1)
+    -> [-1/3, 1/3]; fc.bias update 5/3 - 1 = 2/3, a 1-element vector, loses all
+    of it -> 1; with 'keep' both biases are the plain mean."""
+    def run(vectors):
+        cfg = run_cfg("gcfed", **{"gc.mode": "global", "gc.vectors": vectors})
+        return one_round(get_algorithm("gcfed").build_strategy(cfg, Federation(dict(NODES))),
+                         rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], [1, 1, 2])
+
+    mean, keep = run("mean"), run("keep")
+    np.testing.assert_allclose(mean["fc1.bias"], [-1 / 3, 1 / 3], rtol=1e-14)
+    np.testing.assert_allclose(mean["fc.bias"], [1.0], rtol=1e-14)
+    np.testing.assert_allclose(keep["fc1.bias"], [2 / 3, 4 / 3], rtol=1e-14)
+    np.testing.assert_allclose(keep["fc.bias"], [5 / 3], rtol=1e-14)
+    for name in ("fc1.weight", "fc.weight"):  # 2-D tensors: the same either way
+        np.testing.assert_array_equal(mean[name], keep[name])
+
+
+def test_vectors_mean_in_a_real_solver_step():
+    """One full-batch SGD step (no momentum, no decay): the hidden bias update is
+    the centralized plain update, so its entries sum to zero. (The classifier
+    bias's cross-entropy gradient, softmax - onehot, sums to zero already.)"""
+    plain = fedprox_one_step()
+    vec = fedprox_one_step(**{"gc.mode": "local", "gc.vectors": "mean"})
+    torch.testing.assert_close(vec["fc1.bias"], centralize(plain["fc1.bias"], "mean"), rtol=1e-5, atol=1e-7)
+    assert abs(float(vec["fc1.bias"].sum())) < 1e-6 < 1e-4 < abs(float(plain["fc1.bias"].sum()))
+
+
+# --------------------------------------------------------------------------- #
+# gc.weight-decay: is the optimizer's decay term centralized with the gradient?
+# --------------------------------------------------------------------------- #
+W = [[1.0, 2.0, 6.0]]
+G = [[1.0, 0.0, 2.0]]
+
+
+def one_sgd_step(mode: str, algo: str = "fedavg", momentum: float = 0.0, steps: int = 1, **extra):
+    """Real solver optimizer (torch SGD, weight-decay 0.1, lr 1) on a 1x3 weight
+    with the gradient G at every step, local GC on."""
+    cfg = run_cfg(algo, **{"gc.mode": "local", "gc.weight-decay": mode, "weight-decay": 0.1,
+                           "momentum": momentum, **extra})
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(W))
+    optimizer = get_algorithm(algo).solver(cfg).make_optimizer(model, 1.0)
+    transforms = client_gradient_transforms(cfg, model)
+    for _ in range(steps):
+        model.weight.grad = torch.tensor(G)
+        for transform in transforms:
+            transform(model)
+        optimizer.step()
+    return model.weight.detach()
+
+
+def test_weight_decay_config():
+    assert run_cfg("gcfed").gc.weight_decay == "centralized"
+    assert run_cfg("gcfed", **{"gc.weight-decay": "raw"}).gc.weight_decay == "raw"
+    with pytest.raises(ConfigError, match="gc.weight-decay"):
+        run_cfg("gcfed", **{"gc.weight-decay": "both"})
+
+
+def test_weight_decay_centralized_by_hand():
+    """centralized: step = P(g + wd w) = P([1.1, 0.2, 2.6]) = [-0.2, -1.1, 1.3]
+    -> w = [1.2, 3.1, 4.7], row mean 3 kept (GC's e^T w = e^T w0);
+    raw (torch SGD adds wd w after GC): P g + wd w = [0, -1, 1] + [0.1, 0.2, 0.6]
+    -> w = [0.9, 2.8, 4.4], row mean 2.7."""
+    torch.testing.assert_close(one_sgd_step("centralized"), torch.tensor([[1.2, 3.1, 4.7]]))
+    torch.testing.assert_close(one_sgd_step("raw"), torch.tensor([[0.9, 2.8, 4.4]]))
+
+
+def test_weight_decay_centralized_with_momentum_by_hand():
+    """Momentum 0.5, two steps, as Yong et al.'s SGD_GC (decay, GC, momentum):
+    step 1: d1 = [-0.2, -1.1, 1.3], w1 = [1.2, 3.1, 4.7];
+    step 2: P(g + 0.1 w1) = P([1.12, 0.31, 2.47]) = [-0.18, -0.99, 1.17],
+    buf = 0.5 d1 + that = [-0.28, -1.54, 1.82], w2 = [1.48, 4.64, 2.88]."""
+    torch.testing.assert_close(one_sgd_step("centralized", momentum=0.5, steps=2),
+                               torch.tensor([[1.48, 4.64, 2.88]]))
+
+
+def test_weight_decay_added_by_the_solver_itself_is_not_corrected():
+    """FedPM builds its optimizer without decay and adds wd w to p.grad in its
+    own transform_gradients (before GC), so the GC transform must not subtract
+    anything: on a bare gradient it is P g for both settings."""
+    from fedaccel.composition import optimizer_weight_decay
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    assert optimizer_weight_decay(run_cfg("fedpm", **{"weight-decay": 0.1}), model) == {}
+    assert optimizer_weight_decay(run_cfg("fedavg", **{"weight-decay": 0.1}), model) == {"weight": 0.1}
+    assert optimizer_weight_decay(run_cfg("fedavg", **{"weight-decay": 0.0}), model) == {}
+    for algo, expected in (("fedpm", [[0.0, -1.0, 1.0]]), ("fedavg", [[-0.3, -1.3, 0.7]])):
+        cfg = run_cfg(algo, **{"gc.mode": "local", "weight-decay": 0.1})
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor(W))
+        model.weight.grad = torch.tensor(G)
+        for transform in client_gradient_transforms(cfg, model):
+            transform(model)
+        # fedavg: P g - wd (w - P w) = [0, -1, 1] - 0.1 * [3, 3, 3]
+        torch.testing.assert_close(model.weight.grad, torch.tensor(expected))
+
+
+def test_hybrid_with_weight_decay_leaves_local_updates_to_global_gc_unchanged():
+    """Section 3.3: Global GC leaves the locally centralized tensors unaffected.
+    With the decay centralized, a real client's update of a local tensor
+    (momentum 0.9, weight decay 0.1, 2 epochs) has zero row means, so P is a
+    no-op on it; with 'raw' it is not."""
+    def update(mode):
+        return fedprox_one_step(**{"gc.mode": "local", "gc.weight-decay": mode, "weight-decay": 0.1,
+                                   "momentum": 0.9, "local-epochs": 2, "batch-size": 4})["fc1.weight"]
+
+    centralized, raw = update("centralized"), update("raw")
+    torch.testing.assert_close(centralized.mean(dim=1), torch.zeros(centralized.shape[0]), rtol=0, atol=1e-7)
+    assert float(raw.mean(dim=1).abs().max()) > 1e-4
+
+
+# --------------------------------------------------------------------------- #
+# the new keys end to end through the fast runner
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("keys", [
+    {"gc.mode": "local-only", "gc.lambda": 0.5, "gc.global-layers": ""},
+    {"gc.mode": "hybrid", "gc.vectors": "mean", "weight-decay": 0.001, "momentum": 0.5},
+])
+def test_new_gc_keys_run_end_to_end(tmp_path, keys):
+    import json
+
+    from fedaccel.local_run import fuse, run_local
+
+    cfg = fuse(default_run_config(), {"algo": "gcfed", "num-server-rounds": 3, "clients-per-round": 3,
+                                      "local-epochs": 1, "accl-every": 0, "synthetic.max-samples": 120,
+                                      "results-dir": str(tmp_path), "run-name": "gc", **keys})
+    run_dir = run_local(cfg, num_clients=4, quiet=True)
+    resolved = json.loads((run_dir / "config.json").read_text())
+    for key, value in keys.items():
+        assert resolved[key] == value
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in rows)
