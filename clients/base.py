@@ -110,7 +110,16 @@ class LocalSolver:
         lr: float,
         epochs: int,
     ) -> dict[str, float | int]:
-        """``epochs`` shuffled passes of mini-batch SGD; returns loss and step count."""
+        """``epochs`` shuffled passes of mini-batch SGD; returns loss and step count.
+
+        Each step: ``backward()``, :meth:`transform_gradients`, the composed
+        transforms (local GC), then, if ``clip-norm > 0``, the total norm of
+        all parameters' gradients is clipped to ``clip-norm``
+        (``torch.nn.utils.clip_grad_norm_``), then ``optimizer.step()``. So the
+        clip acts on the gradient the optimizer steps with (FedProx's prox
+        pull, SCAFFOLD's correction and FedPM's preconditioned direction
+        included), before momentum and before the optimizer's own weight decay.
+        """
         from data import random_crop_flip
 
         from fedaccel.composition import client_gradient_transforms
@@ -118,6 +127,8 @@ class LocalSolver:
         model.train()
         optimizer = self.make_optimizer(model, lr)
         composed = client_gradient_transforms(self.cfg, model)
+        clip_norm = float(getattr(self.cfg, "clip_norm", 0.0))
+        params = [p for p in model.parameters() if p.requires_grad]
         n, bs = data.num_examples, self.cfg.batch_size
         loss_sum = torch.zeros((), device=data.x.device)
         seen, steps = 0, 0
@@ -134,6 +145,10 @@ class LocalSolver:
                 self.transform_gradients(model)
                 for transform in composed:
                     transform(model)
+                if clip_norm > 0:
+                    # Clips what the optimizer steps with (after every transform):
+                    # the corrected / preconditioned gradient, torch's convention.
+                    torch.nn.utils.clip_grad_norm_(params, clip_norm)
                 optimizer.step()
                 loss_sum += loss.detach() * yb.shape[0]
                 seen += int(yb.shape[0])

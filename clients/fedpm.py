@@ -9,7 +9,9 @@ Two modes (``<algo>.mode``):
     is first added to ``p.grad`` (``G~ = grad + wd * W~``, so the step
     preconditions the gradient of the regularised loss), then each layer's
     gradient matrix is replaced by ``G~ (A + damping I)^-1`` (Cholesky solve),
-    then plain SGD (the run's momentum, *no* optimizer weight decay) steps.
+    then the shared loop clips the direction's total norm to ``clip-norm``
+    (``auto`` = 1.0 here), then plain SGD (the run's momentum, *no* optimizer
+    weight decay) steps.
     Other parameters (GroupNorm) get the plain regularised gradient.
     ``A`` is computed at the received model on ``foof-samples`` local samples
     (0 = all; a seeded random subset otherwise, the same subset all round) and
@@ -23,7 +25,9 @@ Two modes (``<algo>.mode``):
     epoch is one step ``theta <- theta - lr (H + damping I)^-1 g`` with the
     exact gradient and Hessian (computed in float64). ``H`` is computed at
     the received model and refreshed every ``refresh-every`` steps
-    (0 = never). ``batch-size`` and ``momentum`` are not used. With
+    (0 = never). ``batch-size`` and ``momentum`` are not used, and
+    ``clip-norm`` must be 0 (``auto`` is 0 here): the paper's Test 1 does
+    not clip, and a clipped step is no longer a Newton step. With
     ``weight-decay > 0``, ``damping = 0``, one local epoch and ``lr = 1``,
     FedPM's preconditioned mixing makes the round exactly one global Newton
     step (FedNL without compression).
@@ -53,7 +57,7 @@ from clients import foof
 from clients.base import LocalResult, LocalSolver, TrainData
 from clients.state import ClientState
 from fedaccel.arrays import tensors_to_record
-from fedaccel.config import require
+from fedaccel.config import config_error, require
 
 PRECOND_KEY = "fedpm.precond"
 MODES = ("foof", "exact")
@@ -68,6 +72,14 @@ class SecondOrderParams:
     foof_samples: int = 0
     refresh_every: int = 0
     mode: str = "foof"
+
+    @property
+    def default_clip_norm(self) -> float:
+        """What ``clip-norm='auto'`` means: 1.0 in the FOOF mode (the clipping
+        norm of most of the paper's tuned FedPM/LocalNewton settings,
+        appendix C.3), 0 = off in the exact mode (Test 1 does not clip)."""
+        return 0.0 if self.mode == "exact" else 1.0
+
 
     def validate(self, prefix: str) -> None:
         require(self.damping >= 0, f"{prefix}.damping", self.damping, "must be >= 0")
@@ -133,6 +145,17 @@ def logreg_hessian(theta: torch.Tensor, xt: torch.Tensor, wd: float,
     return h + wd * torch.eye(k * c, dtype=h.dtype, device=h.device)
 
 
+def check_exact_clip(cfg) -> None:
+    """Refuse ``clip-norm > 0`` in the exact mode (one config line, with why)."""
+    clip = float(getattr(cfg, "clip_norm", 0.0))
+    if cfg.algo_params.mode == "exact" and clip > 0:
+        raise config_error(
+            "clip-norm", clip,
+            f"must be 0 (or 'auto') with {cfg.algo}.mode='exact': the paper's Test 1 does not "
+            "clip, and a clipped client step is no longer a Newton step (the round would not be "
+            "the global Newton step); clipping applies to the FOOF mode")
+
+
 class FedPMSolver(LocalSolver):
     """Second-order local steps; uploads the preconditioners (FedPM)."""
 
@@ -145,6 +168,7 @@ class FedPMSolver(LocalSolver):
         self.mode = self.params.mode
         upload = getattr(self.params, "upload", "auto")
         self.upload_which = ("used" if self.mode == "exact" else "end") if upload == "auto" else upload
+        check_exact_clip(cfg)
 
     # --------------------------------------------------------- shared
     def _foof_inputs(self, data: TrainData, generator: torch.Generator) -> torch.Tensor:

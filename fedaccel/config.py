@@ -145,6 +145,7 @@ class RunConfig:
     state_dir: str = ""
     round_timeout: float = 600.0
     train_samples: int = 0
+    clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -319,6 +320,19 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
             f"is refused with algo='{algo}': {spec.global_gc_refused}; use gc.mode='local' "
             "or 'local-only' (client-side GC only) or 'none'")
 
+    # clip-norm: a number >= 0 (0 = off) or 'auto' = the algorithm params'
+    # ``default_clip_norm`` (0 when absent); applied by LocalSolver.run_epochs.
+    algo_params = parse_algo_params(spec.params, spec.prefix, cfg)
+    clip_norm = cfg["clip-norm"]
+    if clip_norm == "auto":
+        clip_norm = float(getattr(algo_params, "default_clip_norm", 0.0))
+    else:
+        require(isinstance(clip_norm, (int, float)) and not isinstance(clip_norm, bool)
+                and math.isfinite(clip_norm) and clip_norm >= 0, "clip-norm", clip_norm,
+                "must be a number >= 0 (max gradient norm per local step, 0 = off) or 'auto' "
+                "(the algorithm's default: 1.0 for fedpm/localnewton, 0 otherwise)")
+        clip_norm = float(clip_norm)
+
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -351,7 +365,8 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         state_dir=_string(cfg, "state-dir"),
         round_timeout=_positive(cfg, "round-timeout"),
         train_samples=train_samples,
-        algo_params=parse_algo_params(spec.params, spec.prefix, cfg),
+        clip_norm=clip_norm,
+        algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
     )
@@ -363,4 +378,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
+    "clip-norm",
 )

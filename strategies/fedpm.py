@@ -1,11 +1,17 @@
 """FedPM (federated preconditioned mixing): second-order local steps, preconditioned mixing.
 
-Clients (:class:`clients.fedpm.FedPMSolver`) take FOOF-preconditioned local
-steps (or exact Newton steps on logistic regression with ``fedpm.mode='exact'``)
-and upload their layer preconditioners beside the weights (upper triangles,
-counted in bytes_up); the server mixes each layer as
+Paper: "FedPM: Federated Learning Using Second-order Optimization with
+Preconditioned Mixing of Local Parameters" (Ishii, Niwa, Sawada, Fujino,
+Harada, Yokota, 2025, arXiv:2511.09100), eq. (10) (FOOF form: eqs. (11),
+(12)). Clients (:class:`clients.fedpm.FedPMSolver`) take FOOF-preconditioned
+local steps (or exact Newton steps on logistic regression with
+``fedpm.mode='exact'``) and upload their layer preconditioners beside the
+weights (upper triangles, counted in bytes_up); the server mixes each layer as
 ``W = (sum_i n_i W_i M_i)(sum_i n_i M_i)^-1`` with ``M_i = P_i + damping I``
-(:mod:`strategies.preconditioned_mixing`). See docs/fedpm.md.
+(:mod:`strategies.preconditioned_mixing`). The paper's equations average the N
+clients' terms with equal weights; the weights ``n_i / n`` (sample counts of
+the replies) make one local step the centralized step of the sample-weighted
+objective, which is what the exact mode is tested against. See docs/fedpm.md.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver
+from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_clip
 from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import RoundFailedError
@@ -25,12 +31,14 @@ from strategies.preconditioned_mixing import preconditioned_mix
 
 
 def check_exact_mode(cfg: RunConfig) -> None:
-    """The exact mode needs the logistic-regression model and a positive-definite Hessian."""
+    """The exact mode needs the logistic-regression model, a positive-definite
+    Hessian and no gradient clipping."""
     from fedaccel.runtime import model_name
 
     params = cfg.algo_params
     if params.mode != "exact":
         return
+    check_exact_clip(cfg)
     prefix = cfg.algo
     if model_name(cfg) != "logreg":
         raise config_error(f"{prefix}.mode", "exact",

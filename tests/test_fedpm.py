@@ -319,3 +319,51 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     msg = str(info.value)
     assert "round 1" in msg and "not positive definite" in msg and "fedpm.damping" in msg
     assert "\n" not in msg
+
+
+# ------------------------------------------------------- gradient clipping
+def raw_gradient_norm(x, y, state, wd):
+    """Norm of the regularised full-batch gradient (all parameters) at ``state``."""
+    model = make_mlp()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    loss = F.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return float(torch.sqrt(sum(((g + wd * p.detach()) ** 2).sum()
+                                for g, p in zip(grads, model.parameters()))))
+
+
+def test_fedpm_clips_the_preconditioned_direction():
+    """One full-batch FOOF step with clip-norm c below the direction's norm moves
+    the weights by exactly lr * c along the unclipped step (all parameters
+    together): the clip acts on G~ (A + damping I)^-1, not on the raw gradient."""
+    g = torch.Generator().manual_seed(5)
+    x = 3 * torch.randn(20, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,), generator=g)
+    lr, common = 0.5, {"batch-size": 64, "momentum": 0.0, "weight-decay": 0.01, "fedpm.damping": 0.1}
+    start = flat(make_mlp())
+
+    def delta(clip):
+        arrays, _, _ = client_round(FedPMSolver(run_cfg(algo="fedpm", **{"clip-norm": clip, **common})),
+                                    make_mlp(), start, x, y, lr)
+        return np.concatenate([(arrays[k] - start[k]).ravel() for k in start])
+
+    free = delta(0)
+    norm = float(np.linalg.norm(free)) / lr  # the preconditioned direction's norm
+    clip = norm / 4
+    # torch scales by clip / (norm + 1e-6): a relative 1.5e-6 here.
+    np.testing.assert_allclose(delta(clip), free * clip / norm, rtol=1e-5, atol=1e-12)
+    # Clipping the raw gradient instead would scale by clip / ||G~||, another factor:
+    assert abs(raw_gradient_norm(x, y, start, 0.01) - norm) > 0.1 * norm
+
+
+def test_exact_mode_refuses_clipping():
+    from strategies.fedpm import check_exact_mode
+
+    for algo in ("fedpm", "localnewton"):
+        cfg = run_cfg(algo=algo, model="logreg", **{f"{algo}.mode": "exact", "clip-norm": 1.0,
+                                                    "weight-decay": 0.01})
+        for check in (check_exact_mode, {"fedpm": FedPMSolver, "localnewton": LocalNewtonSolver}[algo]):
+            with pytest.raises(ConfigError) as info:
+                check(cfg)
+            msg = str(info.value)
+            assert "clip-norm" in msg and "exact" in msg and "\n" not in msg
