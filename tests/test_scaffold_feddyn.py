@@ -24,11 +24,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
 from clients.scaffold import (
-    C_RECORD, DC_RECORD, ScaffoldSolver, control_variate_record, option_ii_control_variate,
-    received_control_variate,
+    C_RECORD, DC_RECORD, ScaffoldSolver, control_variate_record, corrected_gradient,
+    option_ii_control_variate, received_control_variate,
 )
 from clients.state import ContextState
-from fedaccel.config import parse_run_config
+from fedaccel.config import ConfigError, parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
 from fedaccel.torch_utils import payload_bytes
@@ -81,6 +81,40 @@ def test_control_variate_roundtrip():
     assert received_control_variate({C_RECORD: record}, model)["weight"].tolist() == [[0.5, -1.5]]
     with pytest.raises(KeyError, match="scaffold.c"):
         received_control_variate({}, model)
+    # a float64 record for a float32 model arrives as float32 (the model's dtype)
+    record = control_variate_record({"weight": np.array([[0.25, -1.0]], dtype=np.float64)})
+    got = received_control_variate({C_RECORD: record}, model)["weight"]
+    assert got.dtype == torch.float32 and got.tolist() == [[0.25, -1.0]]
+
+
+def test_solver_gradient_is_corrected_gradient():
+    """What the solver leaves in p.grad is corrected_gradient(g, c, c_i) = g + c - c_i."""
+    np.testing.assert_allclose(corrected_gradient(np.array([1.0, 1.0]), np.array([1.0, 0.0]),
+                                                  np.array([0.0, 2.0])), [2.0, -1.0])
+    solver = ScaffoldSolver(cfg("scaffold"))
+    model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+    state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
+    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+    model.weight.grad = torch.tensor([[1.0, 1.0]], dtype=F64)
+    solver.transform_gradients(model)
+    assert model.weight.grad.tolist() == [[2.0, -1.0]]
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_scaffold_control_variate_after_zero_and_one_local_step(steps):
+    """No local step (nothing to train on): c_i is kept and dc = 0. One step:
+    c_i+ = g + wd * y0 (the mean of one gradient), for both rules."""
+    for rule in ("mean-gradient", "option-ii"):
+        solver = ScaffoldSolver(cfg("scaffold", wd=0.5, **{"cv-update": rule}))
+        model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+        state.put("scaffold", {"c.weight": torch.tensor([[0.0, 2.0]], dtype=F64)})
+        solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+        sgd_steps(solver, model, [[1.0, 1.0]] * steps, 0.1)
+        dc = solver.end_round(model, state)[DC_RECORD]["weight"].numpy()[0]
+        new = state.get("scaffold", torch.device("cpu"))["c.weight"].numpy()[0]
+        want = [0.0, 2.0] if steps == 0 else [1.0, 2.0]  # g + 0.5 * [0, 2]
+        np.testing.assert_allclose(new, want, atol=1e-14, err_msg=rule)
+        np.testing.assert_allclose(dc, np.subtract(want, [0.0, 2.0]), atol=1e-14, err_msg=rule)
 
 
 def test_scaffold_correction_through_momentum_and_dc_by_hand():
@@ -189,6 +223,13 @@ def test_scaffold_server_steps_and_bytes_by_hand():
     # round 2 sends the new c
     msgs, _, _ = one_round(strategy, 2, x, [[0.0, 0.0]] * 3, extra=[[0.0, 0.0]] * 3)
     assert msgs[0].content.array_records[C_RECORD]["w"].numpy().tolist() == [1.5, 0.0]
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5])
+def test_feddyn_alpha_must_be_positive(alpha):
+    """alpha = 0 would divide h by zero in the server step: refused by name."""
+    with pytest.raises(ConfigError, match=rf"feddyn.alpha={alpha!r}: must be > 0"):
+        cfg("feddyn", alpha=alpha)
 
 
 def test_pure_server_rules():
