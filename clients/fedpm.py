@@ -1,46 +1,84 @@
 """Local solver of FedPM and LocalNewton (second-order local steps).
 
+Paper: "FedPM: Federated Learning Using Second-order Optimization with
+Preconditioned Mixing of Local Parameters" (Ishii, Niwa, Sawada, Fujino,
+Harada, Yokota, 2025, arXiv:2511.09100). Client rule (its eq. (10)): ``K``
+local steps ``theta_i <- theta_i - lr P_i^-1 g_i`` from the received model;
+FedPM uploads ``P_i`` beside ``theta_i`` for the server's preconditioned
+mixing (:mod:`strategies.preconditioned_mixing`), LocalNewton uploads
+``theta_i`` only.
+
 Two modes (``<algo>.mode``):
 
-``foof`` (default; any model)
+``foof`` (default; any model; the paper's Test 2, section 3.3)
     Every ``nn.Linear`` / ``nn.Conv2d`` layer is preconditioned with its FOOF
     matrix ``A`` (:mod:`clients.foof`): ``W~ <- W~ - lr * G~ (A + damping I)^-1``
-    with ``W~ = [W | b]``. Implemented as a gradient transform: weight decay
-    is first added to ``p.grad`` (``G~ = grad + wd * W~``, so the step
-    preconditions the gradient of the regularised loss), then each layer's
-    gradient matrix is replaced by ``G~ (A + damping I)^-1`` (Cholesky solve),
-    then the shared loop clips the direction's total norm to ``clip-norm``
-    (``auto`` = 1.0 here), then plain SGD (the run's momentum, *no* optimizer
-    weight decay) steps.
+    with ``W~ = [W | b]`` (the paper's eq. (11)). Implemented as a gradient
+    transform: weight decay is first added to ``p.grad`` (``G~ = grad + wd *
+    W~``, so the step preconditions the gradient of the regularised loss),
+    then each layer's gradient matrix is replaced by ``G~ (A + damping I)^-1``
+    (Cholesky solve), then the shared loop clips the total norm of that
+    preconditioned direction to ``clip-norm`` (default 1.0 here, see below),
+    then plain SGD (the run's momentum, *no* optimizer weight decay) steps.
     Other parameters (GroupNorm) get the plain regularised gradient.
-    ``A`` is computed at the received model on ``foof-samples`` local samples
-    (0 = all; a seeded random subset otherwise, the same subset all round) and
-    recomputed at the current weights every ``refresh-every`` local steps
-    (0 = never: one preconditioner per round).
 
-``exact`` (``model='logreg'`` only)
+    **When A is computed.** Once per round by default: at the received model,
+    on ``foof-samples`` local samples (0 = all; a seeded random subset
+    otherwise, the same subset all round), and recomputed at the current
+    weights every ``refresh-every`` local steps (0 = never). The paper
+    computes FOOF "only at the end of each round, just before the
+    communication" (section 4.2), so its clients step in round ``t + 1`` with
+    the matrix of their own final weights of round ``t``: that needs state
+    kept on the client between rounds, which this solver does not keep. It
+    therefore computes its one matrix per round at the start instead, steps
+    with it and (``upload='auto'`` = ``used``) uploads that same matrix, so
+    one FOOF pass per round and the server mixes with the matrix the client
+    stepped with (the paper's eq. (9)/(10) for a preconditioner that is
+    constant within the round). ``upload='end'`` adds a second pass at the
+    final weights (the matrix the paper uploads) and mixes with a matrix no
+    step used.
+
+``exact`` (``model='logreg'`` only; the paper's Test 1)
     Full-batch Newton on the client's L2-regularised multinomial
     cross-entropy ``f_i(theta) = mean CE + wd/2 ||theta||^2`` over *all*
     parameters ``theta = vec([W | b])`` (``K (d + 1)`` values): each local
     epoch is one step ``theta <- theta - lr (H + damping I)^-1 g`` with the
-    exact gradient and Hessian (computed in float64). ``H`` is computed at
-    the received model and refreshed every ``refresh-every`` steps
-    (0 = never). ``batch-size`` and ``momentum`` are not used, and
-    ``clip-norm`` must be 0 (``auto`` is 0 here): the paper's Test 1 does
-    not clip, and a clipped step is no longer a Newton step. With
-    ``weight-decay > 0``, ``damping = 0``, one local epoch and ``lr = 1``,
+    exact gradient and Hessian (computed in float64). ``batch-size`` and
+    ``momentum`` are not used, and ``clip-norm`` must be 0 (the paper tunes
+    clipping for Test 2 only; a clipped client step is no longer a Newton
+    step, and the round no longer the global Newton step below).
+
+    **Several local steps.** ``H`` is computed at the received model and, with
+    ``refresh-every = 0``, kept for every local step of the round (a
+    chord / frozen-Hessian Newton method: the exact analogue of the FOOF
+    mode's one preconditioner per round). Then every step of client ``i``
+    uses the same ``M_i = H_i(theta) + damping I``, the upload (``used``) is
+    that ``H_i`` and the round is exactly
+    ``theta - lr (sum_i p_i M_i)^-1 sum_i p_i sum_k g_i(theta_i^k)``: the
+    preconditioned mixing of the summed local gradients (the paper's
+    appendix B, eq. (16), with a constant preconditioner). With
+    ``refresh-every = 1`` every step uses the Hessian at the current local
+    iterate (true local Newton steps, eq. (10) with fresh ``P_i^{t,k}``) and
+    ``used`` is the Hessian of the last step. With one local step both are
+    the same: with ``weight-decay > 0``, ``damping = 0`` and ``lr = 1``,
     FedPM's preconditioned mixing makes the round exactly one global Newton
-    step (FedNL without compression).
+    step (FedNL without compression; the paper's Theorem 1 setting).
 
 What is uploaded (FedPM only; LocalNewton sends weights alone): the
 *undamped* matrix of every preconditioned layer (``A``, or ``H`` for the
 exact mode), upper triangle only, in the model's dtype, as the ArrayRecord
 :data:`PRECOND_KEY` (``{layer name: packed values}``); the server adds the
-damping. ``fedpm.upload`` picks which matrix: ``used`` = the last
-preconditioner the client used for its local steps, ``end`` = FOOF/Hessian
-recomputed at the final local weights (the paper's FOOF practice), ``auto``
-= ``used`` in the exact mode (required for the global-Newton identity) and
-``end`` in the FOOF mode.
+damping. ``<algo>.upload`` picks which matrix: ``used`` = the last
+preconditioner the client stepped with (no extra computation), ``end`` =
+FOOF/Hessian recomputed at the final local weights (one more pass),
+``auto`` = ``used`` in both modes (required for the global-Newton identity
+in the exact mode; one FOOF pass per round in the FOOF mode).
+
+Gradient clipping (run config ``clip-norm``; ``'auto'`` resolves to
+:attr:`SecondOrderParams.default_clip_norm`): the paper tunes the clipping
+norm per method and setting (appendix C.3) and its tuned tables give FedPM
+and LocalNewton either no clipping or 1.0, 1.0 in most settings; ``auto``
+is 1.0 in the FOOF mode and 0 (off) in the exact mode.
 """
 
 from __future__ import annotations
@@ -77,9 +115,9 @@ class SecondOrderParams:
     def default_clip_norm(self) -> float:
         """What ``clip-norm='auto'`` means: 1.0 in the FOOF mode (the clipping
         norm of most of the paper's tuned FedPM/LocalNewton settings,
-        appendix C.3), 0 = off in the exact mode (Test 1 does not clip)."""
+        appendix C.3), 0 = off in the exact mode (clipping is tuned for Test 2
+        only, and refused in the exact mode: :func:`check_exact_clip`)."""
         return 0.0 if self.mode == "exact" else 1.0
-
 
     def validate(self, prefix: str) -> None:
         require(self.damping >= 0, f"{prefix}.damping", self.damping, "must be >= 0")
@@ -151,8 +189,8 @@ def check_exact_clip(cfg) -> None:
     if cfg.algo_params.mode == "exact" and clip > 0:
         raise config_error(
             "clip-norm", clip,
-            f"must be 0 (or 'auto') with {cfg.algo}.mode='exact': the paper's Test 1 does not "
-            "clip, and a clipped client step is no longer a Newton step (the round would not be "
+            f"must be 0 (or 'auto') with {cfg.algo}.mode='exact': the paper clips in Test 2 "
+            "only, and a clipped client step is no longer a Newton step (the round would not be "
             "the global Newton step); clipping applies to the FOOF mode")
 
 
@@ -167,7 +205,7 @@ class FedPMSolver(LocalSolver):
         self.refresh_every = int(self.params.refresh_every)
         self.mode = self.params.mode
         upload = getattr(self.params, "upload", "auto")
-        self.upload_which = ("used" if self.mode == "exact" else "end") if upload == "auto" else upload
+        self.upload_which = "used" if upload == "auto" else upload
         check_exact_clip(cfg)
 
     # --------------------------------------------------------- shared
@@ -199,11 +237,12 @@ class FedPMSolver(LocalSolver):
         # The factor is computed in float64, then the per-step solves run in the
         # layer's dtype: for fc1 of cnn-small (1569 x 1569, 128 rows) one step's
         # solve took 68 ms in float64 and 27 ms in float32 (1 thread), with a
-        # relative difference of 3e-7 (docs/measurements.md, issue 8).
+        # relative difference of 3e-7 (docs/measurements.md).
         self.factors = {name: foof.damped_cholesky(a, self.damping).to(self.layers[name].weight.dtype)
                         for name, a in self.used.items()}
 
     def begin_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState) -> None:
+        # The round's one FOOF pass (more only with refresh-every > 0 or upload='end').
         self.layers = OrderedDict(foof.foof_layers(model))
         self.step = 0
         self._refresh(model)
@@ -230,6 +269,7 @@ class FedPMSolver(LocalSolver):
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         if not self.uploads_preconditioners:
             return {}
+        # 'used': the matrix of the last local step, no second FOOF pass.
         matrices = self.used if self.upload_which == "used" else foof.compute_foof(model, self._x_foof)
         dtype = next(model.parameters()).dtype
         self._x_foof = None

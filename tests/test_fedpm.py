@@ -146,7 +146,8 @@ def test_one_local_step_is_the_centralized_damped_foof_step(identical):
     shards = [(x, y)] * 3 if identical else [(x[:6], y[:6]), (x[6:17], y[6:17]), (x[17:], y[17:])]
     upload = "end" if identical else "used"
     cfg = run_cfg(algo="fedpm", **{"batch-size": 64, "momentum": 0.0, "weight-decay": wd,
-                                   "fedpm.damping": damping, "fedpm.upload": upload})
+                                   "fedpm.damping": damping, "fedpm.upload": upload,
+                                   "clip-norm": 0})  # a clipped step is not the centralized one
     model = make_mlp()
     start = flat(model)
     clients = [client_round(FedPMSolver(cfg), model, start, xs, ys, lr) for xs, ys in shards]
@@ -321,6 +322,52 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     assert "\n" not in msg
 
 
+# ------------------------------------------------- FOOF passes per round
+def count_foof(monkeypatch) -> list[int]:
+    """Count calls of clients.foof.compute_foof (the solver calls it through the module)."""
+    calls = []
+    real = foof.compute_foof
+
+    def counting(model, x, *args, **kwargs):
+        calls.append(int(x.shape[0]))
+        return real(model, x, *args, **kwargs)
+
+    monkeypatch.setattr(foof, "compute_foof", counting)
+    return calls
+
+
+@pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
+def test_foof_is_computed_once_per_round(monkeypatch, algo):
+    """Default settings: one FOOF pass per round (6 local steps), at the received
+    model, and FedPM uploads that very matrix (the one it stepped with)."""
+    calls = count_foof(monkeypatch)
+    cfg = run_cfg(algo=algo, **{"batch-size": 4})
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    model = make_mlp()
+    start = flat(model)
+    solver = (FedPMSolver if algo == "fedpm" else LocalNewtonSolver)(cfg)
+    arrays, packed, _ = client_round(solver, model, start, x, y, 0.1, epochs=2)
+    assert calls == [12]
+    assert not np.allclose(arrays["1.weight"], start["1.weight"])  # it did train
+    if algo == "fedpm":  # A of layer 1 at the received model, by hand: [x | 1]^T [x | 1] / n
+        xt = torch.cat([x, torch.ones(12, 1, dtype=x.dtype)], 1)
+        torch.testing.assert_close(foof.unpack_upper(torch.from_numpy(packed["1"])), xt.T @ xt / 12)
+
+
+@pytest.mark.parametrize("overrides, passes", [
+    ({"fedpm.upload": "end"}, 2),            # + the paper's end-of-round matrix
+    ({"fedpm.refresh-every": 2}, 3),          # steps 0, 2, 4 of 6
+    ({"fedpm.refresh-every": 2, "fedpm.upload": "end"}, 4),
+])
+def test_extra_foof_passes_only_when_asked(monkeypatch, overrides, passes):
+    calls = count_foof(monkeypatch)
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4, **overrides})
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    model = make_mlp()
+    client_round(FedPMSolver(cfg), model, flat(model), x, y, 0.1, epochs=2)
+    assert len(calls) == passes
+
+
 # ------------------------------------------------------- gradient clipping
 def raw_gradient_norm(x, y, state, wd):
     """Norm of the regularised full-batch gradient (all parameters) at ``state``."""
@@ -367,3 +414,62 @@ def test_exact_mode_refuses_clipping():
                 check(cfg)
             msg = str(info.value)
             assert "clip-norm" in msg and "exact" in msg and "\n" not in msg
+
+
+# ---------------------------------------- exact mode with several local steps
+def hessian_count(monkeypatch) -> list[int]:
+    import clients.fedpm as module
+
+    calls = []
+    real = module.logreg_hessian
+
+    def counting(theta, xt, wd, *args, **kwargs):
+        calls.append(1)
+        return real(theta, xt, wd, *args, **kwargs)
+
+    monkeypatch.setattr(module, "logreg_hessian", counting)
+    return calls
+
+
+@pytest.mark.parametrize("refresh", [0, 1])
+def test_exact_mode_several_steps_by_hand(monkeypatch, refresh):
+    """Two local Newton steps per round (lr 0.5, damping 0.1, three clients).
+
+    refresh-every = 0: both steps use M_i = H_i(theta) + damping I (the Hessian
+    at the received model: one Hessian per round), FedPM uploads H_i(theta)
+    and the round is exactly theta - lr (sum p_i M_i)^-1 sum_i p_i (g_i(theta) +
+    g_i(theta_i^1)). refresh-every = 1: the second step uses the Hessian at the
+    first local iterate, which is also what is uploaded."""
+    calls = hessian_count(monkeypatch)
+    wd, damping, lr = 1e-2, 0.1, 0.5
+    shards, _, _ = breast_cancer_clients()
+    shards = shards[2:5]
+    model = LogReg(30, 2).double()
+    torch.manual_seed(0)
+    theta = 0.1 * torch.randn(62, dtype=torch.float64)
+    w = theta.reshape(2, 31)
+    start = {"fc.weight": w[:, :30].numpy().copy(), "fc.bias": w[:, 30].numpy().copy()}
+    cfg = run_cfg(algo="fedpm", model="logreg", **{"weight-decay": wd, "fedpm.mode": "exact",
+                                                   "fedpm.damping": damping,
+                                                   "fedpm.refresh-every": refresh})
+    eye = torch.eye(62, dtype=torch.float64)
+    clients, m_sum, r_sum, n = [], 0, 0, sum(len(ys) for _, ys in shards)
+    for xs, ys in shards:
+        arrays, packed, n_i = client_round(FedPMSolver(cfg), model, start, xs, ys, lr, epochs=2)
+        clients.append((arrays, packed, n_i))
+        g0, h0 = objective_terms(theta, xs, ys, wd)
+        theta1 = theta - lr * torch.linalg.solve(h0 + damping * eye, g0)
+        g1, h1 = objective_terms(theta1, xs, ys, wd)
+        h_step2 = h0 if refresh == 0 else h1
+        theta2 = theta1 - lr * torch.linalg.solve(h_step2 + damping * eye, g1)
+        torch.testing.assert_close(as_theta(arrays), theta2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(foof.unpack_upper(torch.from_numpy(packed["fc"])), h_step2,
+                                   rtol=1e-10, atol=1e-12)
+        p = len(ys) / n
+        m_sum = m_sum + p * (h0 + damping * eye)
+        r_sum = r_sum + p * (g0 + g1)
+    assert len(calls) == (1 if refresh == 0 else 2) * len(shards)
+    mixed = as_theta(preconditioned_mix(clients, damping))
+    if refresh == 0:  # appendix B, eq. (16), with a constant preconditioner per client
+        torch.testing.assert_close(mixed, theta - lr * torch.linalg.solve(m_sum, r_sum),
+                                   rtol=1e-9, atol=1e-11)
