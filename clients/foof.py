@@ -1,7 +1,11 @@
 """FOOF statistics and the per-layer matrix algebra shared by FedPM and LocalNewton.
 
-FOOF (Benzing 2022) approximates each layer's block of the Fisher matrix by the
-uncentered covariance of the layer's *input*::
+FOOF ("Gradient Descent on Neurons and its Link to Approximate Second-order
+Optimization", Frederik Benzing, ICML 2022), as FedPM uses it ("FedPM:
+Federated Learning Using Second-order Optimization with Preconditioned Mixing
+of Local Parameters", Ishii et al., 2025, arXiv:2511.09100, section 3.3),
+approximates each layer's block of the Fisher matrix by the uncentered
+covariance of the layer's *input*::
 
     A = mean_a (a a^T)
 
@@ -15,8 +19,11 @@ uncentered covariance of the layer's *input*::
   ``in + 1`` rows and the bias is the last column of the layer's weight
   matrix ``W~ = [W | b]`` of shape ``(out, in + 1)``.
 
-The local FOOF step is ``W~ <- W~ - lr * G~ (A + damping I)^-1``; every solve
-goes through a Cholesky factor, never an explicit inverse.
+The local FOOF step is ``W~ <- W~ - lr * G~ (A + damping I)^-1`` (FedPM's
+eq. (11); the server's mixing, eq. (12), is in
+:mod:`strategies.preconditioned_mixing`); every solve goes through a Cholesky
+factor, never an explicit inverse. How often ``A`` is computed is the
+solver's choice (:mod:`clients.fedpm`: once per round by default).
 
 Symmetric matrices travel as their upper triangle (:func:`pack_upper`,
 ``d (d + 1) / 2`` values instead of ``d^2``).
@@ -153,7 +160,7 @@ def right_solve(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 def _upper_triangle(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices of the upper triangle of a ``d x d`` matrix (row by row)
     and its boolean mask, built once per size (rebuilding them cost 5x the
-    packing itself on a 785-wide layer, issue 8)."""
+    packing itself on a 785-wide layer)."""
     i, j = torch.triu_indices(d, d, device=device)
     mask = torch.ones(d, d, dtype=torch.bool, device=device).triu()
     return i * d + j, mask

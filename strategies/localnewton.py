@@ -1,9 +1,16 @@
-"""LocalNewton (the FedPM paper's conventional SOPM baseline).
+"""LocalNewton, as the FedPM paper runs it (its conventional SOPM baseline, eq. (5)).
 
-The same second-order local steps as FedPM (:class:`clients.fedpm.LocalNewtonSolver`,
-FOOF or exact Newton on logistic regression), but the server takes the plain
+"FedPM: Federated Learning Using Second-order Optimization with Preconditioned
+Mixing of Local Parameters" (Ishii et al., 2025, arXiv:2511.09100) compares
+against LocalNewton ("LocalNewton: Reducing Communication Bottleneck for
+Distributed Learning", Gupta et al., 2021) with the same local steps as FedPM
+(:class:`clients.fedpm.LocalNewtonSolver`: FOOF in Test 2, exact Newton on
+logistic regression in Test 1) and simple mixing: the server takes the
 sample-weighted mean of the local models (Flower's FedAvg), so clients upload
-weights only. See docs/fedpm.md.
+weights only. The original LocalNewton takes a fresh local second-order
+direction at every local iteration; here that is ``refresh-every = 1``, while
+the default 0 keeps one preconditioner per round as the FedPM paper does for
+its second-order methods in Test 2. See docs/fedpm.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """Preconditioned mixing of local parameters (FedPM's server rule); registers no algorithm.
 
-For every layer whose clients uploaded a preconditioner (the ArrayRecord
+"FedPM: Federated Learning Using Second-order Optimization with Preconditioned
+Mixing of Local Parameters" (Ishii et al., 2025, arXiv:2511.09100), eq. (10)
+(full preconditioners) and eq. (12) (per-layer FOOF). For every layer whose
+clients uploaded a preconditioner (the ArrayRecord
 :data:`clients.fedpm.PRECOND_KEY`, ``{layer: upper triangle}``), with
 ``p_i = n_i / n`` (sample counts of the replies) and ``M_i = P_i + damping I``
-(the damped matrix the client stepped with):
+(with ``<algo>.upload='used'``, the default, the damped matrix the client
+stepped with; with ``'end'`` the one recomputed at its final weights):
 
 - FOOF (``P_i = A_i`` of size ``in + 1``, acting on the input side of
   ``W~ = [W | b]``, shape ``(out, in + 1)``)::
@@ -21,7 +25,15 @@ The kind is read from the matrix size. Solves use a Cholesky factor of
 ``sum_i p_i x_i``. Results keep the clients' dtype.
 
 With one local step ``W~_i = W~ - lr G~_i M_i^-1`` this gives exactly
-``W~ - lr (sum p_i G~_i) (sum p_i M_i)^-1``: the global damped step.
+``W~ - lr (sum p_i G~_i) (sum p_i M_i)^-1``: the global damped step. That
+needs the mixing matrix to be the one the step used (``upload='used'``) and
+the step to be unclipped: a client whose direction was clipped (``clip-norm``)
+contributes ``c_i G~_i`` with its own factor ``c_i <= 1``. With ``K`` steps
+and a preconditioner constant within the round (``refresh-every = 0``,
+``upload='used'``) every local model is ``W~_i = W~ - lr D_i M_i^-1``, ``D_i``
+the sum of its steps' regularised gradients (scaled by momentum and clipping
+factors), and the round is exactly ``W~ - lr (sum_i p_i D_i)(sum_i p_i M_i)^-1``
+(the paper's appendix B, eq. (16), with constant local preconditioners).
 """
 
 from __future__ import annotations
