@@ -85,6 +85,22 @@ def test_control_variate_roundtrip():
     record = control_variate_record({"weight": np.array([[0.25, -1.0]], dtype=np.float64)})
     got = received_control_variate({C_RECORD: record}, model)["weight"]
     assert got.dtype == torch.float32 and got.tolist() == [[0.25, -1.0]]
+    # ... and on the model's device (a meta-device model stands in for a GPU one)
+    meta = torch.nn.Linear(2, 1, bias=False, device="meta")
+    assert received_control_variate({C_RECORD: record}, meta)["weight"].device.type == "meta"
+
+
+def test_option_ii_falls_back_to_the_run_lr():
+    """A round config without 'lr' uses the run's lr in (x - y)/(K lr)."""
+    solver = ScaffoldSolver(parse_run_config(fuse(default_run_config(), {
+        "algo": "scaffold", "lr": 0.1, "clients-per-round": 3, "scaffold.cv-update": "option-ii"})))
+    model, state = linear([0.0, 2.0]), ContextState(RecordDict())
+    config = c_config(solver, [0.0, 0.0])
+    del config["lr"]
+    solver.begin_round(model, config, state)
+    sgd_steps(solver, model, [[1.0, -3.0]], 0.1)
+    np.testing.assert_allclose(solver.end_round(model, state)[DC_RECORD]["weight"].numpy()[0], [1.0, -3.0],
+                               atol=1e-14)
 
 
 def test_solver_gradient_is_corrected_gradient():
