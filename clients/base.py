@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from logging import INFO, WARNING
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
+from flwr.common import log
 
 from clients.state import ClientState
 from fedaccel.config import RunConfig
@@ -168,21 +170,38 @@ class LocalSolver:
         """One round of local training from the weights already in ``model``;
         ``received`` holds the message's ArrayRecords other than the model."""
         self.received = dict(received or {})
-        state_lost = bool(self.state_copies and config.get("has-state") and state.is_empty())
-        if state_lost:
-            from logging import WARNING
-
-            from flwr.common import log
-
-            log(WARNING, "[fedaccel] this client trained before but its state is gone (a SuperNode "
-                "restart with client-state='context'?); starting again from the initial state. "
-                "Use client-state='disk' to keep state across restarts.")
+        state_lost = False
+        if self.state_copies:
+            state_lost = self._resolve_state(config, state)
+            state.begin(int(config.get("server-round", 0)))
         lr = float(config.get("lr", self.cfg.lr))
         epochs = int(config.get("local-epochs", self.cfg.local_epochs))
         self.begin_round(model, config, state)
         metrics = self.run_epochs(model, data, generator, lr, epochs)
         extra = self.end_round(model, state)
+        result_arrays = self.upload(model, state)
+        if self.state_copies:
+            state.seal()  # pending until the server's next message says it applied this reply
         metrics["num-examples"] = data.num_examples
         if state_lost:
             metrics["state-lost"] = 1
-        return LocalResult(arrays=self.upload(model, state), metrics=metrics, extra=extra)
+        return LocalResult(arrays=result_arrays, metrics=metrics, extra=extra)
+
+    @staticmethod
+    def _resolve_state(config: dict[str, Any], state: ClientState) -> bool:
+        """The commit protocol's client half (docs/client-state.md): commit the
+        state of the last round if the server applied its reply
+        (``accepted-round``), roll it back otherwise. Returns True when the
+        state the server counts on is gone (then training restarts from the
+        initial state, reported as ``state-lost``)."""
+        accepted = config.get("accepted-round")
+        outcome = state.resolve(None if accepted is None else int(accepted))
+        if outcome == "rolled-back":
+            log(INFO, "[fedaccel] round %s: the server did not apply this client's last reply "
+                "(lost, late or rejected); its state is rolled back to round %s",
+                config.get("server-round"), accepted)
+        elif outcome == "lost":
+            log(WARNING, "[fedaccel] this client's state of round %s is gone (a SuperNode restart "
+                "with client-state='context'?); starting again from the initial state. Use "
+                "client-state='disk' to keep state across restarts.", accepted)
+        return outcome == "lost"

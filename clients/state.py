@@ -12,10 +12,17 @@ One interface, two places to keep the tensors:
   or written, memory stays flat however many clients there are, Ray messages
   stay small, and on a real device the state survives a SuperNode restart.
 
+Both keep *versions* (:class:`VersionedState`): what a client writes in a
+round is pending until the server's next message says the reply of that
+round was applied, and is rolled back otherwise, so client and server state
+agree after a lost, late or rejected reply (docs/client-state.md).
+
 ``client-state='auto'`` picks ``disk`` when all clients' state together would
 exceed :data:`AUTO_DISK_BYTES`, else ``context``. Memory cost per client is
-``copies x model bytes`` (FedCDR: 3 copies; MNIST MLP 784-128-10: 3 x 407 KB
-= 1.2 MB, so 10,000 clients = 12 GB in ``context`` mode).
+``copies x model bytes`` per version, and a client that trained keeps two
+versions (committed and pending) until its next round (FedCDR: 3 copies; MNIST
+MLP 784-128-10: 2 x 3 x 407 KB = 2.4 MB, so 10,000 clients = 24 GB at most in
+``context`` mode).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Mapping, Protocol
@@ -38,33 +46,143 @@ AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
 
 
 class ClientState(Protocol):
-    """Named groups of tensors kept for one client between rounds."""
+    """Named groups of tensors kept for one client between rounds.
+
+    Versioned for the commit protocol (docs/client-state.md): the state a
+    round writes is *pending* until the server says it applied that round's
+    reply; :meth:`resolve` then commits it, or rolls back to the last
+    committed state when the reply was lost, late or rejected.
+    """
 
     def get(self, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
-        """The tensors saved under ``name`` (on ``device``), or None the first time."""
+        """The latest tensors saved under ``name`` (on ``device``), or None."""
 
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Save ``tensors`` under ``name`` (copies; later edits do not leak in)."""
 
-    def is_empty(self) -> bool:
-        """True when nothing has been saved for this client (or it was lost)."""
+    def resolve(self, accepted_round: int | None) -> str:
+        """Commit or roll back before a round; see :meth:`VersionedState.resolve`."""
+
+    def begin(self, server_round: int) -> None:
+        """Open a round: :meth:`put` writes a new version tagged ``server_round``."""
+
+    def seal(self) -> None:
+        """Close the round: its version becomes the latest (still uncommitted)."""
 
 
-class ContextState:
+class VersionedState:
+    """The commit protocol over versions of a client's state, one per round.
+
+    Two versions are kept: ``committed`` (the state as of the last round whose
+    reply the server applied; 0 = the initial state) and ``latest`` (the state
+    the client wrote in the last round it trained; equal to ``committed`` once
+    resolved). Every training message of a stateful algorithm carries
+    ``accepted-round``: the last round in which the server applied this
+    client's reply. Before training, :meth:`resolve` makes the client agree:
+
+    - ``latest == accepted``: commit (the older version is dropped);
+    - ``committed == accepted``: roll back (the unapplied ``latest`` is dropped);
+    - neither: the state the server counts on is gone (a SuperNode restarted
+      with ``client-state='context'``): start again from the initial state and
+      report it (``state-lost``).
+
+    Subclasses store versions (:meth:`_read`, :meth:`_write`, :meth:`_drop`,
+    :meth:`_versions`) and the two tags (:meth:`_tags`, :meth:`_save_tags`).
+    Outside an open round (:meth:`begin`), :meth:`put` overwrites the latest
+    version in place, which is what unit tests and tools use.
+    """
+
+    open_round: int | None = None
+
+    # -------------------------------------------------------- the protocol
+    def get(self, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
+        return self._read(self._tags()[1], name, device)
+
+    def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        version = self.open_round if self.open_round is not None else self._tags()[1]
+        self._write(version, name, tensors)
+
+    def resolve(self, accepted_round: int | None) -> str:
+        """Make the state agree with the server; returns what happened:
+        ``kept`` (nothing to do), ``committed``, ``rolled-back`` or ``lost``.
+        ``accepted_round=None`` (no fedaccel server to ask) commits the latest."""
+        committed, latest = self._tags()
+        accepted = latest if accepted_round is None else int(accepted_round)
+        if accepted == latest:
+            outcome = "kept" if committed == latest else "committed"
+            committed = latest
+        elif accepted == committed:
+            outcome, latest = "rolled-back", committed
+        else:
+            outcome, committed, latest = "lost", 0, 0
+        for version in self._versions() - {committed}:
+            self._drop(version)  # superseded, unapplied or orphaned (a crash before seal)
+        if outcome == "lost":
+            self._drop(0)
+        self._save_tags(committed, latest)
+        return outcome
+
+    def begin(self, server_round: int) -> None:
+        committed, latest = self._tags()
+        if server_round not in (committed, latest):
+            self._drop(server_round)  # leftovers of a round that crashed before seal
+        self.open_round = server_round
+
+    def seal(self) -> None:
+        if self.open_round is None:
+            return
+        committed, _ = self._tags()
+        self._save_tags(committed, self.open_round)
+        self.open_round = None
+
+    def versions(self) -> tuple[int, int]:
+        """(committed, latest) round tags."""
+        return self._tags()
+
+    def read_version(self, version: int, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
+        """The tensors of one version (for checks and tools)."""
+        return self._read(version, name, device)
+
+    # ------------------------------------------------------------ storage
+    def _read(self, version: int, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _drop(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _versions(self) -> set[int]:
+        raise NotImplementedError
+
+    def _tags(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _save_tags(self, committed: int, latest: int) -> None:
+        raise NotImplementedError
+
+
+class ContextState(VersionedState):
     """State in Flower's ``context.state`` RecordDict.
 
-    Each named group is packed into one flat Array per dtype (record
-    ``fedaccel.<name>``) plus its layout (keys, dtypes, shapes; ConfigRecord
-    ``fedaccel.<name>.layout``): Flower pays a fixed cost per Array (its
-    ``.npy`` header and per-object bookkeeping), so FedCDR's 3 copies x 4 tensors of the MLP are one Array, not
-    12 (issue 8: put + get 550 -> 310 us per client on the 60-32-10 MLP).
+    Version ``v`` of a named group is packed into one flat Array per dtype
+    (record ``fedaccel.v<v>.<name>``) plus its layout (keys, dtypes, shapes;
+    ConfigRecord ``fedaccel.v<v>.<name>.layout``): Flower pays a fixed cost
+    per Array (its ``.npy`` header and per-object bookkeeping), so FedCDR's 3
+    copies x 4 tensors of the MLP are one Array, not 12 (issue 8: put + get
+    550 -> 310 us per client on the 60-32-10 MLP). The tags live in the
+    ConfigRecord ``fedaccel.versions``. Committing or rolling back only
+    re-tags and deletes records: nothing is copied.
     """
+
+    TAGS = "fedaccel.versions"
 
     def __init__(self, record: RecordDict) -> None:
         self.record = record
 
-    def get(self, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
-        key = f"fedaccel.{name}"
+    def _read(self, version: int, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
+        key = f"fedaccel.v{version}.{name}"
         if key not in self.record:
             return None
         layout = json.loads(str(self.record[f"{key}.layout"]["layout"]))  # type: ignore[index]
@@ -78,43 +196,83 @@ class ContextState:
             out[k] = next(pieces[dtype]).view(shape)
         return out
 
-    def is_empty(self) -> bool:
-        return not any(k.startswith("fedaccel.") for k in self.record.array_records)
-
-    def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         groups: dict[str, list[torch.Tensor]] = {}
         layout = []
         for k, v in tensors.items():
             dtype = str(v.dtype).removeprefix("torch.")
             groups.setdefault(dtype, []).append(v.detach().reshape(-1))
             layout.append([k, dtype, list(v.shape)])
-        key = f"fedaccel.{name}"
+        key = f"fedaccel.v{version}.{name}"
         self.record[key] = ArrayRecord(OrderedDict(
             (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items()))
         self.record[f"{key}.layout"] = ConfigRecord({"layout": json.dumps(layout)})
 
+    def _drop(self, version: int) -> None:
+        prefix = f"fedaccel.v{version}."
+        for key in [k for k in self.record if k.startswith(prefix)]:
+            del self.record[key]
 
-class DiskState:
-    """State in ``<folder>/<name>.npz`` files (written atomically)."""
+    def _versions(self) -> set[int]:
+        return {int(k.split(".")[1][1:]) for k in self.record.array_records if k.startswith("fedaccel.v")}
+
+    def _tags(self) -> tuple[int, int]:
+        if self.TAGS not in self.record:
+            return 0, 0
+        tags = self.record.config_records[self.TAGS]
+        return int(tags["committed"]), int(tags["latest"])
+
+    def _save_tags(self, committed: int, latest: int) -> None:
+        self.record[self.TAGS] = ConfigRecord({"committed": committed, "latest": latest})
+
+
+class DiskState(VersionedState):
+    """State in ``<folder>/v<round>/<name>.npz`` files, tags in ``<folder>/versions.json``.
+
+    Every file is written to a temporary name and renamed, and the tags file
+    is the one switch that says which versions count: a crash at any point
+    leaves the last sealed state intact (a half-written round is an orphan
+    version that the next :meth:`resolve` deletes).
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def get(self, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
-        path = self.folder / f"{name}.npz"
+    def _read(self, version: int, name: str, device: torch.device) -> OrderedDict[str, torch.Tensor] | None:
+        path = self.folder / f"v{version}" / f"{name}.npz"
         if not path.is_file():
             return None
         with np.load(path) as data:
             return OrderedDict((k, torch.from_numpy(data[k]).to(device)) for k in data.files)
 
-    def is_empty(self) -> bool:
-        return not self.folder.is_dir() or not any(self.folder.glob("*.npz"))
-
-    def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{name}.tmp.npz"
+    def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        folder = self.folder / f"v{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{name}.tmp.npz"
         np.savez(tmp, **{k: v.detach().cpu().numpy() for k, v in tensors.items()})
-        os.replace(tmp, self.folder / f"{name}.npz")
+        os.replace(tmp, folder / f"{name}.npz")
+
+    def _drop(self, version: int) -> None:
+        shutil.rmtree(self.folder / f"v{version}", ignore_errors=True)
+
+    def _versions(self) -> set[int]:
+        if not self.folder.is_dir():
+            return set()
+        return {int(p.name[1:]) for p in self.folder.iterdir() if p.is_dir() and p.name[:1] == "v"
+                and p.name[1:].isdigit()}
+
+    def _tags(self) -> tuple[int, int]:
+        path = self.folder / "versions.json"
+        if not path.is_file():
+            return 0, 0
+        tags = json.loads(path.read_text(encoding="utf-8"))
+        return int(tags["committed"]), int(tags["latest"])
+
+    def _save_tags(self, committed: int, latest: int) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / ".versions.tmp.json"
+        tmp.write_text(json.dumps({"committed": committed, "latest": latest}), encoding="utf-8")
+        os.replace(tmp, self.folder / "versions.json")
 
 
 def default_state_dir() -> Path:
@@ -131,7 +289,8 @@ def choose_backend(mode: str, num_clients: int, bytes_per_client: int) -> str:
     """Resolve ``client-state='auto'``."""
     if mode != "auto":
         return mode
-    return "disk" if num_clients * bytes_per_client > AUTO_DISK_BYTES else "context"
+    versions = 2  # committed + pending (VersionedState)
+    return "disk" if num_clients * versions * bytes_per_client > AUTO_DISK_BYTES else "context"
 
 
 def open_client_state(mode: str, state_dir: str, run_id: int, partition_id: int,

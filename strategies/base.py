@@ -49,7 +49,6 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.arrays import from_numpy, numpy_to_record, to_numpy
 from fedaccel.config import RunConfig
@@ -240,7 +239,10 @@ class FedAccelStrategy:
         from fedaccel.composition import server_update_transforms
 
         self.update_transforms = server_update_transforms(run_cfg)  # f(sent, aggregate) -> aggregate
-        self.trained: set[int] = set()  # partitions that have replied to a training round
+        # The commit protocol's server half (docs/client-state.md): the last
+        # round whose reply of each partition was applied to the server's
+        # model and state; sent to stateful clients as ``accepted-round``.
+        self.accepted_round: dict[int, int] = {}
         # Node ids seen after discovery: claims waiting for the partition's old
         # node to go offline (node -> partition id), and nodes that will not be used.
         self._pending_nodes: dict[int, int] = {}
@@ -278,12 +280,13 @@ class FedAccelStrategy:
 
     def _client_updates(self, partition: int, log_: RoundLog) -> dict[str, Any]:
         """Per-client config values: a straggler's epochs; for stateful algorithms,
-        ``has-state`` tells a client it trained before, so it can detect lost state."""
+        ``accepted-round``, the last round whose reply of this client the server
+        applied (0 = none), so the client commits or rolls back its state."""
         updates: dict[str, Any] = {}
         if partition in log_.stragglers:
             updates["local-epochs"] = log_.stragglers[partition]
-        if self.stateful and partition in self.trained:
-            updates["has-state"] = True
+        if self.stateful:
+            updates["accepted-round"] = self.accepted_round.get(partition, 0)
         return updates
 
     def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -381,7 +384,7 @@ class FedAccelStrategy:
         extra = self.broadcast_records(server_round)
         if extra:
             messages = [_with_records(m, extra) for m in messages]
-        if log_.stragglers or (self.stateful and self.trained):
+        if log_.stragglers or self.stateful:
             pid = self.federation.partition_of_node
             messages = [_with_config(m, updates) if (updates := self._client_updates(pid[m.metadata.dst_node_id],
                                                                                      log_)) else m
@@ -424,7 +427,6 @@ class FedAccelStrategy:
                 len(log_.sampled), len(ok))
         pid_of = self.federation.partition_of_node
         for m in ok:
-            self.trained.add(pid_of.get(m.metadata.src_node_id, -1))
             metrics_in = next(iter(m.content.metric_records.values()))
             if "state-lost" in metrics_in:
                 log_.state_lost += 1
@@ -448,6 +450,8 @@ class FedAccelStrategy:
             for transform in self.update_transforms:
                 arrays = transform(self.global_arrays, arrays)
             arrays = self._keep_dtypes(self.server_step(server_round, arrays))
+            for m in ok:  # applied: these clients commit this round's state next time
+                self.accepted_round[pid_of[m.metadata.src_node_id]] = server_round
         if metrics is not None and "train-loss" in metrics:
             log_.train_loss = float(metrics["train-loss"])
         return arrays, metrics

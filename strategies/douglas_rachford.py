@@ -36,8 +36,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.douglas_rachford import server_step
 from fedaccel.arrays import numpy_to_record, record_to_numpy
-from fedaccel.config import RunConfig, config_error, require
-from strategies.base import FedAccelStrategy, Federation
+from fedaccel.config import require
+from strategies.base import FedAccelStrategy
 
 PROX_STARTS = ("server", "local")
 # gc.mode global/hybrid is refused for the DR methods (the registry's reason):
@@ -67,14 +67,6 @@ class DouglasRachfordParams:
 
 class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
     """``x <- x + (1/n) sum g_i`` over the replies of the round."""
-
-    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
-        super().__init__(run_cfg=run_cfg, federation=federation)
-        if run_cfg.straggler_fraction > 0 and self.straggler_policy == "drop":
-            raise config_error(
-                "straggler-policy", "drop",
-                f"{run_cfg.algo} clients update their state every time they train, so dropping "
-                "their replies would break x = mean(xhat); use 'partial' (or 'auto')")
 
     aggregated = False  # set on the instance by the first combine()
 

@@ -108,8 +108,9 @@ def test_disk_state_one_npz_per_name(tmp_path):
     store.put("dr", tensors())
     store.put("scaffold", {"c": torch.zeros(4)})
     store.put("dr", tensors())  # rewriting leaves no temporary file behind
-    assert sorted(p.name for p in folder.iterdir()) == ["dr.npz", "scaffold.npz"]
-    with np.load(folder / "dr.npz") as data:
+    # outside a round, puts overwrite the latest version (0: nothing committed yet)
+    assert sorted(p.name for p in (folder / "v0").iterdir()) == ["dr.npz", "scaffold.npz"]
+    with np.load(folder / "v0" / "dr.npz") as data:
         assert sorted(data.files) == sorted(tensors())
         np.testing.assert_array_equal(data["fc.bias"], [-1.5, 2.25])
 
@@ -117,9 +118,9 @@ def test_disk_state_one_npz_per_name(tmp_path):
 def test_context_state_lives_in_the_record(tmp_path):
     record = RecordDict()
     ContextState(record).put("dr", tensors())
-    assert "fedaccel.dr" in record.array_records
+    assert "fedaccel.v0.dr" in record.array_records
     # packed: one flat Array per dtype, in first-seen order (Flower's cost is per Array)
-    packed = record.array_records["fedaccel.dr"]
+    packed = record.array_records["fedaccel.v0.dr"]
     assert list(packed.keys()) == ["float32", "float64", "int64"]
     assert [packed[d].shape for d in packed] == [(8,), (2,), (1,)]
     # a second view of the same RecordDict sees it (the Context is what persists)
@@ -145,12 +146,13 @@ def test_state_dir_defaults_to_env(tmp_path, monkeypatch):
 # choose_backend
 # --------------------------------------------------------------------------- #
 def test_choose_backend_auto_threshold():
+    """Two versions per client count (committed + pending, VersionedState)."""
     per_client = 3 * 407_000
-    limit_clients = AUTO_DISK_BYTES // per_client
+    limit_clients = AUTO_DISK_BYTES // (2 * per_client)
     assert choose_backend("auto", limit_clients, per_client) == "context"
     assert choose_backend("auto", limit_clients + 1, per_client) == "disk"
-    assert choose_backend("auto", 1, AUTO_DISK_BYTES) == "context"  # exactly at the limit
-    assert choose_backend("auto", 1, AUTO_DISK_BYTES + 1) == "disk"
+    assert choose_backend("auto", 1, AUTO_DISK_BYTES // 2) == "context"  # exactly at the limit
+    assert choose_backend("auto", 1, AUTO_DISK_BYTES // 2 + 1) == "disk"
     assert choose_backend("auto", 10_000, 0) == "context"  # stateless solvers
 
 
@@ -252,7 +254,7 @@ def test_state_survives_rounds_in_both_stores(tmp_path, quiet):
     from_context = {partition_of(c): ContextState(c.state).get("dr", CPU)
                     for c in grid_ctx.contexts.values()}
     for c in grid_disk.contexts.values():
-        assert "fedaccel.dr" not in c.state.array_records
+        assert not any(k.startswith("fedaccel.") for k in c.state.array_records)
     from_disk = {pid: DiskState(run_folder / f"client-{pid}").get("dr", CPU) for pid in range(6)}
 
     final = dict(np.load(tmp_path / "results" / "g-ctx" / "final_model.npz"))
@@ -275,8 +277,10 @@ def test_auto_switches_to_disk_above_the_threshold(tmp_path, monkeypatch, quiet)
                                                          "state-dir": str(state_dir),
                                                          "num-server-rounds": 1}), 6)
     folder = state_run_dir(str(state_dir), grid.run.run_id)
-    assert len([p for p in folder.iterdir() if (p / "dr.npz").is_file()]) == 3
-    assert all("fedaccel.dr" not in c.state.array_records for c in grid.contexts.values())
+    # the 3 clients of round 1 wrote their (pending) version 1
+    assert len([p for p in folder.iterdir() if (p / "v1" / "dr.npz").is_file()]) == 3
+    assert all(not any(k.startswith("fedaccel.") for k in c.state.array_records)
+               for c in grid.contexts.values())
 
 
 def test_stateless_algorithm_keeps_no_state(tmp_path, quiet):

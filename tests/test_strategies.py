@@ -625,16 +625,16 @@ class QueryGrid(StubGrid):
 
 def test_restarted_node_with_a_new_id_takes_over_its_partition(caplog):
     strategy = build("fedcdr", **{"clients-per-round": 3})
-    strategy.trained.update({0, 1, 2})  # every partition trained before the restart
+    strategy.accepted_round.update({0: 1, 1: 1, 2: 1})  # every partition's round-1 reply was applied
     grid = QueryGrid([101, 103, 202], {202: (1, 3)})  # node 102 went offline, 202 is new
     # INFO level on flwr's logger: earlier tests (quiet runs) may have raised it
     with caplog.at_level(logging.INFO, logger="flwr"):
         msgs = list(strategy.configure_train(2, arrays(w=[0.0]), ConfigRecord(), grid))
     assert sorted(m.metadata.dst_node_id for m in msgs) == [101, 103, 202]
     assert strategy.federation.node_of_partition == {0: 101, 1: 202, 2: 103}
-    # The partition keeps its history: the new node is told it trained before,
-    # so a lost state would be detected (and a disk state is found).
-    assert all(m.content["config"]["has-state"] for m in msgs)
+    # The partition keeps its history: the new node is told which round of its
+    # state the server applied, so a lost state is detected (a disk state is found).
+    assert all(m.content["config"]["accepted-round"] == 1 for m in msgs)
     assert "partition 1 is now served by node 202 (node 102 went offline" in caplog.text
     list(strategy.configure_train(3, arrays(w=[0.0]), ConfigRecord(), grid))
     assert grid.queried == [202]  # asked once

@@ -1,0 +1,286 @@
+"""The client-state commit protocol (docs/client-state.md).
+
+A stateful client's new state is pending until the server's next message
+says the reply of that round was applied (``accepted-round``); otherwise it
+is rolled back. The unit tests drive :class:`clients.state.VersionedState`
+directly; the run tests drive the real ServerApp and ClientApp on the fast
+runner's in-process Grid with injected faults (a lost reply, a late reply
+past the round timeout, a reply rejected as non-finite, a client that dies
+after training, dropped stragglers) and assert each algorithm's two-sided
+invariant after every round:
+
+- SCAFFOLD: server ``c`` = mean over all N clients of ``c_i``;
+- FedDyn: server ``h`` = mean over all N clients of ``grad_prev_i``;
+- FedCDR / FedDR: global model ``x`` = mean over all N clients of ``xhat_i``;
+- every stateful algorithm (FedRKMGC included): the version of its state
+  each client will train from is the one of the last round the server
+  applied for it (never a state the server did not count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+
+from apps.client_app import app as client_app
+from clients.state import ContextState, DiskState, VersionedState, state_run_dir
+from fedaccel.config import parse_run_config
+from fedaccel.experiment import Experiment, discover_federation
+from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
+from fedaccel.local_run import default_run_config, fuse
+from strategies.base import PromptGrid
+
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- #
+# the versioned store
+# --------------------------------------------------------------------------- #
+def stores(tmp_path):
+    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0")}
+
+
+def value(store: VersionedState) -> float | None:
+    got = store.get("s", CPU)
+    return None if got is None else float(got["w"])
+
+
+def train_round(store: VersionedState, accepted: int, server_round: int, new: float) -> str:
+    """What LocalSolver.fit does around training: resolve, begin, put, seal."""
+    outcome = store.resolve(accepted)
+    store.begin(server_round)
+    store.put("s", {"w": torch.tensor(new)})
+    store.seal()
+    return outcome
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_commit_rollback_and_lost(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    assert train_round(store, 0, 3, 1.0) == "kept"  # first round: nothing to resolve
+    assert store.versions() == (0, 3) and value(store) == 1.0  # pending, readable
+    assert train_round(store, 3, 5, 2.0) == "committed"  # round 3 was applied
+    assert store.versions() == (3, 5)
+    # round 5's reply was lost: the server says 3 -> back to round 3's state
+    assert store.resolve(3) == "rolled-back"
+    assert store.versions() == (3, 3) and value(store) == 1.0
+    assert store.read_version(5, "s", CPU) is None  # the unapplied version is gone
+    # the server counts on a round the client does not have: lost, initial state
+    assert store.resolve(8) == "lost"
+    assert store.versions() == (0, 0) and value(store) is None
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_no_server_information_commits_the_latest(tmp_path, kind):
+    store = stores(tmp_path)[kind]
+    train_round(store, 0, 1, 1.0)
+    assert store.resolve(None) == "committed" and store.versions() == (1, 1)
+
+
+def test_disk_crash_before_seal_keeps_the_sealed_state(tmp_path):
+    """A client killed while writing round 7 leaves an orphan version; the
+    tags file still names the sealed versions, and the next resolve deletes
+    the orphan."""
+    folder = tmp_path / "client-0"
+    train_round(DiskState(folder), 0, 4, 1.0)
+    crashed = DiskState(folder)
+    crashed.resolve(4)
+    crashed.begin(7)
+    crashed.put("s", {"w": torch.tensor(9.0)})  # ... and the process dies here
+    restarted = DiskState(folder)
+    assert restarted.versions() == (4, 4) and value(restarted) == 1.0
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["v4", "v7"]
+    assert restarted.resolve(4) == "kept"
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == ["v4"]
+
+
+# --------------------------------------------------------------------------- #
+# runs with faults
+# --------------------------------------------------------------------------- #
+class FaultyGrid(LocalGrid):
+    """The fast runner's Grid, with faults injected into training rounds.
+
+    ``faults[server_round]`` lists fault kinds applied, in order, to that
+    round's training messages sorted by partition id: ``lose`` (the client
+    trains, its reply never arrives: a dead link or node), ``late`` (the
+    reply arrives after the round timeout), ``nan`` (the reply carries
+    non-finite values and is rejected), ``crash`` (the client trains and
+    saves its state, then dies: an error reply).
+    """
+
+    def __init__(self, *args, faults: dict[int, list[str]], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+        self.applied: list[tuple[int, int, str]] = []  # (round, partition, kind)
+        self._late: set[str] = set()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        train = sorted((m for m in messages if m.metadata.message_type == "train"),
+                       key=lambda m: self.contexts[m.metadata.dst_node_id].node_config["partition-id"])
+        if train:
+            server_round = int(train[0].content["config"]["server-round"])
+            for message, kind in zip(train, self.faults.get(server_round, [])):
+                message.metadata.__dict__["_fault"] = kind
+        return ids
+
+    def _deliver(self, message):
+        reply = super()._deliver(message)
+        kind = message.metadata.__dict__.get("_fault")
+        if kind is None:
+            return reply
+        pid = self.contexts[message.metadata.dst_node_id].node_config["partition-id"]
+        self.applied.append((int(message.content["config"]["server-round"]), pid, kind))
+        if kind == "nan":
+            arrays = reply.content["arrays"]
+            reply.content["arrays"] = ArrayRecord({k: Array(np.full(a.shape, np.nan, dtype=np.float32))
+                                                   for k, a in arrays.items()})
+        elif kind == "crash":
+            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, "SuperNode died after training"),
+                            reply_to=message)
+        elif kind in ("lose", "late"):
+            reply.metadata.__dict__["_fault"] = kind
+        return reply
+
+    def pull_messages(self, message_ids):
+        out = []
+        for reply in super().pull_messages(message_ids):
+            kind = reply.metadata.__dict__.get("_fault")
+            if kind == "lose":
+                continue
+            if kind == "late":  # held back until the round has given up on it
+                self._late.add(reply.metadata.reply_to_message_id)
+                continue
+            out.append(reply)
+        return out
+
+
+CHECK_VERSIONS = True
+
+
+def effective_version(store: VersionedState, accepted: int) -> int | None:
+    """The version the client will train from next, given the server's
+    ``accepted-round`` (what resolve() will keep), or None if lost."""
+    committed, latest = store.versions()
+    return latest if accepted == latest else committed if accepted == committed else None
+
+
+def client_states(grid: FaultyGrid, strategy, name: str, cfg) -> dict[int, dict[str, np.ndarray] | None]:
+    """Every partition's effective state tensors (None: the initial state)."""
+    out = {}
+    for node, context in grid.contexts.items():
+        pid = int(context.node_config["partition-id"])
+        if cfg.client_state == "disk":
+            store: VersionedState = DiskState(state_run_dir(cfg.state_dir, grid.run.run_id) / f"client-{pid}")
+        else:
+            store = ContextState(context.state)
+        accepted = strategy.accepted_round.get(pid, 0)
+        version = effective_version(store, accepted)
+        assert not CHECK_VERSIONS or version == accepted, (f"partition {pid}: the server applied its round {accepted}, the "
+                                     f"client would train from version {version} {store.versions()}")
+        tensors = store.read_version(version, name, CPU)
+        out[pid] = None if tensors is None else {k: v.double().numpy() for k, v in tensors.items()}
+    return out
+
+
+def mean_over_all(states: dict, prefix: str, keys, initial: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.mean([initial[k] if s is None else s[f"{prefix}.{k}"] for s in states.values()], axis=0)
+            for k in keys}
+
+
+STATE_NAME = {"scaffold": "scaffold", "feddyn": "feddyn", "fedrkmgc": "fedrkmgc", "fedcdr": "dr", "feddr": "dr"}
+
+
+def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0: dict) -> float:
+    """Assert the algorithm's server/client invariant; returns its error."""
+    states = client_states(grid, strategy, STATE_NAME[algo], cfg)
+    zeros = {k: np.zeros_like(v, dtype=np.float64) for k, v in x0.items()}
+    if algo == "scaffold":
+        server, clients = strategy.c, mean_over_all(states, "c", strategy.c, zeros)
+    elif algo == "feddyn":
+        server, clients = strategy.h, mean_over_all(states, "grad_prev", strategy.h, zeros)
+    elif algo in ("fedcdr", "feddr"):
+        server, clients = model, mean_over_all(states, "xhat", model, x0)
+    else:
+        return 0.0  # FedRKMGC: no server state; the version check above is its invariant
+    error = max(float(np.abs(np.asarray(server[k], dtype=np.float64) - clients[k]).max()) for k in server)
+    assert error < 1e-5, f"{algo}: server and clients disagree by {error:.3g}"
+    return error
+
+
+def run_with_faults(tmp_path, algo: str, faults: dict[int, list[str]], rounds: int = 6,
+                    **overrides) -> tuple[FaultyGrid, Experiment, list[float]]:
+    run_config = fuse(default_run_config(), {
+        "algo": algo, "num-server-rounds": rounds, "clients-per-round": 3, "local-epochs": 1,
+        "accl-every": 0, "synthetic.max-samples": 60, "client-state": "context",
+        "straggler-fraction": 0.34, "straggler-policy": "drop", "lr": 0.05,
+        "results-dir": str(tmp_path / "results"), "run-name": f"{algo}-faults",
+        "state-dir": str(tmp_path / "state"),
+        # a lost reply is noticed when the round times out
+        "round-timeout": 0.5, **overrides})
+    grid = FaultyGrid(client_app, run_config, num_clients=6, seed=0, faults=faults)
+    cfg = parse_run_config(run_config)
+    federation = discover_federation(PromptGrid(grid))
+    experiment = Experiment(cfg, federation, quiet=True)
+    errors: list[float] = []
+    x0: dict[str, np.ndarray] = {}
+    on_round_end = experiment.on_round_end
+
+    def checked(server_round: int, arrays: ArrayRecord):
+        out = on_round_end(server_round, arrays)
+        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        if server_round == 0:
+            x0.update(model)
+        else:
+            errors.append(check_invariant(algo, cfg, experiment.strategy, grid, model, x0))
+        return out
+
+    experiment.on_round_end = checked  # Flower's evaluate_fn: after every round
+    experiment.run(PromptGrid(grid))
+    assert len(errors) == rounds
+    return grid, experiment, errors
+
+
+FAULTS = {2: ["lose"], 3: ["nan"], 4: ["crash"], 5: ["lose", "nan"]}
+
+
+@pytest.mark.parametrize("algo", ["scaffold", "feddyn", "fedrkmgc", "fedcdr", "feddr"])
+def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp_path, algo):
+    grid, experiment, _ = run_with_faults(tmp_path, algo, FAULTS)
+    # the faults really happened, and stragglers really were dropped
+    assert sorted(kind for _, _, kind in grid.applied) == ["crash", "lose", "lose", "nan", "nan"]
+    logs = experiment.strategy.rounds
+    assert sum(log.rejected for log in logs.values()) == 2
+    assert sum(log.dropped for log in logs.values()) >= 3
+    assert all(log.failures >= 1 for r, log in logs.items() if r in FAULTS)
+
+
+def test_late_reply_past_the_round_timeout(tmp_path):
+    """A reply that arrives after round-timeout is never applied; the client
+    rolls back when it is next selected."""
+    grid, experiment, _ = run_with_faults(tmp_path, "scaffold", {1: ["late"], 2: ["late"]},
+                                          rounds=4, **{"round-timeout": 0.3, "straggler-fraction": 0.0})
+    assert [kind for _, _, kind in grid.applied] == ["late", "late"]
+    assert experiment.strategy.rounds[1].failures == 1
+
+
+def test_disk_state_invariant_under_faults(tmp_path):
+    run_with_faults(tmp_path, "fedcdr", FAULTS, **{"client-state": "disk"})
+
+
+def test_without_the_protocol_the_invariant_breaks(tmp_path, monkeypatch):
+    """Guard: the checks above can fail. With the client committing whatever
+    it wrote last (the behaviour before the protocol), SCAFFOLD's server c and
+    the clients' mean c_i disagree after the first lost reply."""
+    import sys
+
+    module = sys.modules[__name__]
+    real_resolve = VersionedState.resolve
+    monkeypatch.setattr(VersionedState, "resolve", lambda self, accepted: real_resolve(self, None))
+    monkeypatch.setattr(module, "CHECK_VERSIONS", False)
+    monkeypatch.setattr(module, "effective_version", lambda store, accepted: store.versions()[1])
+    with pytest.raises(AssertionError, match="scaffold: server and clients disagree"):
+        run_with_faults(tmp_path, "scaffold", FAULTS)
