@@ -1,0 +1,57 @@
+"""docs/support.md is true: generated from the registry, and every cell it
+marks *tested* runs, every cell it marks *refused* is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fedaccel import support
+from fedaccel.local_run import fuse, project_dir, run_local
+from fedaccel.registry import algorithm_names
+
+CELLS = [(a, m, p) for a in algorithm_names() for m in support.MODES for p in support.POLICIES]
+ACCEPTED = [c for c in CELLS if support.verdict(*c) is None]
+REFUSED = [c for c in CELLS if support.verdict(*c) is not None]
+
+
+def test_support_page_is_current():
+    page = (project_dir() / "docs" / "support.md").read_text(encoding="utf-8")
+    assert page == support.render(), "regenerate: python -m fedaccel.support > docs/support.md"
+
+
+def test_runner_columns_match_the_engine_tests():
+    import test_deployment
+    import test_flwr_run
+
+    assert {a: bool(extra) for a, extra in test_flwr_run.CASES} == {
+        a: how != "default" for a, how in support.FLOWER_SIMULATION.items()}
+    assert set(test_deployment.ALGOS) == set(support.DEPLOYMENT)
+
+
+def test_the_table_has_both_kinds_of_cells():
+    assert REFUSED and len(ACCEPTED) > len(REFUSED)
+
+
+@pytest.mark.parametrize("algo,mode,policy", REFUSED[:2] + REFUSED[-2:])
+def test_refused_cells_stop_the_fast_runner_with_the_reason(tmp_path, algo, mode, policy):
+    cfg = support.combination(algo, mode, policy)
+    cfg["results-dir"] = str(tmp_path)
+    with pytest.raises(SystemExit, match=rf"gc.mode='{mode}': is refused with algo='{algo}'"):
+        run_local(cfg, num_clients=4, quiet=True)
+    assert not any(Path(tmp_path).iterdir())  # nothing was written
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo,mode,policy", ACCEPTED)
+def test_every_accepted_combination_runs(tmp_path, algo, mode, policy):
+    cfg = fuse(support.combination(algo, mode, policy), {
+        "num-server-rounds": 2, "clients-per-round": 2, "local-epochs": 1, "accl-every": 0,
+        "synthetic.max-samples": 30, "results-dir": str(tmp_path), "run-name": "cell"})
+    run_dir = run_local(cfg, num_clients=4, quiet=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for r in rows)
