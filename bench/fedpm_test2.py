@@ -1,10 +1,12 @@
-"""FedPM paper, Test 2: second-order FL with a CNN on Fashion-MNIST (issue 6).
+"""FedPM paper, Test 2: second-order FL with a CNN on Fashion-MNIST.
 
 FedPM (FOOF-preconditioned local steps, preconditioned mixing on the server) against
 LocalNewton (the same local steps, plain mixing) and the first-order baselines FedAvg,
 FedAvgM, SCAFFOLD and FedAdam (FedProx with ``--methods``), at label-Dirichlet 1.0 and
-0.1. Paper: /work/shared/papers/fedpm-preconditioned-mixing.txt, section 4.2 and
-appendix C.3 (Tables 4-13); implementation: docs/fedpm.md.
+0.1. Paper: "FedPM: Federated Learning Using Second-order Optimization with Preconditioned
+Mixing of Local Parameters" (Ishii, Niwa, Sawada, Fujino, Harada, Yokota, 2025,
+arXiv:2511.09100), section 4.2 and appendix C.3 (Tables 4-13); implementation:
+docs/fedpm.md.
 
 The paper's Test 2 is CIFAR10 with a simple CNN and CIFAR100 with ResNet-18 (GroupNorm),
 Dirichlet 1.0 / 0.1 with unequal client sizes, no client sampling in the main tables,
@@ -19,8 +21,14 @@ of size 26, 401, 1569 and 129, i.e. a FedPM client uploads 5.3 MB of preconditio
 beside the 0.86 MB model), a seeded 20,000-image training subset split equally over 100
 clients (``partition=dirichlet``; ``--partition dirichlet-unbalanced`` gives unequal
 sizes as in the paper), 10 clients per round, 1 local epoch at batch 20 (10 local
-steps), 30 rounds, FOOF on 64 of each client's 200 samples, no gradient clipping (the
-project has none). The server test set is the full 10,000 images, every 5 rounds.
+steps), 30 rounds, FOOF on 64 of each client's 200 samples, no gradient clipping
+(``clip-norm=0`` pinned for every method unless the method sets it: the grid was run
+before the project had clipping) and FedPM uploading the FOOF matrices recomputed at the
+end of local training (``fedpm.upload='end'`` pinned: the project's ``auto`` is now
+``used``, one FOOF pass per round). "FedPM (clip 1.0)" clips at 1.0 (the paper's value
+for FedPM in most of its tuned settings); "FedPM (clip 1.0, used)" also uploads the matrix
+it stepped with (the project's defaults). The server test set is the full 10,000 images,
+every 5 rounds.
 
 Cost (measured in one process, one torch thread, 200 samples and 10 steps per client):
 FedAvg 0.11 s per client, LocalNewton 0.60 s, FedPM 0.72 s (1.25 s with FOOF on all 200
@@ -86,6 +94,13 @@ METHODS: dict[str, dict[str, Any]] = {
                        "fedpm.refresh-every": 0},
     "LocalNewton (lr 0.1)": {"algo": "localnewton", "lr": 0.1, "localnewton.damping": 1.0,
                              "localnewton.foof-samples": FOOF_SAMPLES, "localnewton.refresh-every": 0},
+    # gradient clipping at the paper's 1.0 (FedPM diverged at alpha 0.1, lr 0.3 without it)
+    "FedPM (clip 1.0)": {"algo": "fedpm", "lr": 0.3, "fedpm.damping": 1.0,
+                         "fedpm.foof-samples": FOOF_SAMPLES, "fedpm.refresh-every": 0,
+                         "clip-norm": 1.0},
+    "FedPM (clip 1.0, used)": {"algo": "fedpm", "lr": 0.3, "fedpm.damping": 1.0,
+                               "fedpm.foof-samples": FOOF_SAMPLES, "fedpm.refresh-every": 0,
+                               "clip-norm": 1.0, "fedpm.upload": "used"},
 }
 DEFAULT_METHODS = ["FedAvg", "FedAvg (lr 0.1)", "FedAvgM", "SCAFFOLD", "FedAdam", "LocalNewton", "FedPM"]
 LR_GRID: dict[str, list[float]] = {  # --phase lr
@@ -110,7 +125,14 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int,
         "local-test-fraction": 0.0, "train-samples": args.train_samples,
         "target-accuracy": args.target, "device": args.device, "seed": seed,
         "num-server-rounds": rounds,
+        # Pinned to what the recorded grid ran with (no clipping; FedPM uploads FOOF
+        # recomputed at the end), now that the project's defaults differ (clip-norm 'auto'
+        # = 1.0 for fedpm/localnewton, fedpm.upload 'auto' = 'used'). Not part of a run's
+        # identity unless the method sets them itself.
+        "clip-norm": 0,
     }
+    if METHODS[method]["algo"] == "fedpm":
+        ov["fedpm.upload"] = "end"
     ov.update(METHODS[method])
     if lr is not None:
         ov["lr"] = lr
@@ -214,8 +236,9 @@ def write_outputs(args: argparse.Namespace) -> None:
         f"partition `{args.partition}`), {args.local_epochs} local epoch(s) at batch {args.batch_size}, "
         f"local momentum 0, weight decay {args.weight_decay}; server test set (10k images) every "
         f"{args.eval_every} rounds. Per method: {settings}. LocalNewton/FedPM: one FOOF preconditioner "
-        "per round on `foof-samples` local samples (0 = all) at the received model; FedPM uploads "
-        "its upper triangles recomputed at the end of local training (`fedpm.upload=auto`).", "",
+        "per round on `foof-samples` local samples (0 = all) at the received model; no gradient "
+        "clipping unless the method says `clip-norm`; FedPM uploads its upper triangles "
+        "recomputed at the end of local training (`fedpm.upload='end'`) unless it says `upload`.", "",
         "Mean ± std over seeds. Rounds to a target: first evaluated round at or above it, mean ± std "
         "over the seeds that reached it (k of n). 'last 10 rounds': mean of the evaluations in the "
         "last 10 rounds. Total MB: up + down over the run. s/round: median seconds of the rounds "
