@@ -52,11 +52,12 @@ METHODS: dict[str, dict[str, Any]] = {
     "FedACG no local reg.": {"algo": "fedacg", "fedacg.local-regularizer": False},
     "FedACG server momentum only": {"algo": "fedacg", "fedacg.lookahead": False,
                                     "fedacg.local-regularizer": False},
-    "FedProx": {"algo": "fedprox"},
+    # mu pinned to the value the recorded results ran with (the default is now 0.1)
+    "FedProx": {"algo": "fedprox", "fedprox.mu": 0.01},
     "LocalGC": {"algo": "gcfed", "gc.mode": "local"},
     "GlobalGC": {"algo": "gcfed", "gc.mode": "global"},
     "GC-Fed": {"algo": "gcfed"},
-    "FedProx+GC-Fed": {"algo": "fedprox", "gc.mode": "hybrid"},
+    "FedProx+GC-Fed": {"algo": "fedprox", "fedprox.mu": 0.01, "gc.mode": "hybrid"},
 }
 MOMENTUM_METHODS = ("FedAvg", "FedACG (full)")
 GROUPS = {  # curve panels

@@ -78,6 +78,10 @@ def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path
         **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
         "clients-per-round": 10, "local-epochs": 1, "eval-every": rounds, "accl-every": 0,
         "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
+        # the bare loop's FedPM does not clip and uploads the end-of-round FOOF
+        # matrix (what the recorded measurements ran); FedPM's defaults are now
+        # clip-norm 1.0 and upload 'used'
+        "clip-norm": 0, "fedpm.upload": "end",
     }
 
 

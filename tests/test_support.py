@@ -50,7 +50,8 @@ def test_refused_cells_stop_the_fast_runner_with_the_reason(tmp_path, algo, mode
 def test_every_accepted_combination_runs(tmp_path, algo, mode, policy):
     cfg = fuse(support.combination(algo, mode, policy), {
         "num-server-rounds": 2, "clients-per-round": 2, "local-epochs": 1, "accl-every": 0,
-        "synthetic.max-samples": 30, "results-dir": str(tmp_path), "run-name": "cell"})
+        "synthetic.max-samples": 40, "synthetic.min-samples": 20, "results-dir": str(tmp_path),
+        "run-name": "cell"})
     run_dir = run_local(cfg, num_clients=4, quiet=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
