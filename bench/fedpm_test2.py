@@ -133,6 +133,8 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int,
     }
     if METHODS[method]["algo"] == "fedpm":
         ov["fedpm.upload"] = "end"
+    if METHODS[method]["algo"] == "fedadam":
+        ov["fedadam.variant"] = "flower"  # the rule the recorded grid ran (the default is now 'paper')
     ov.update(METHODS[method])
     if lr is not None:
         ov["lr"] = lr
