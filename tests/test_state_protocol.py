@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
 from apps.client_app import app as client_app
@@ -284,3 +286,35 @@ def test_without_the_protocol_the_invariant_breaks(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "effective_version", lambda store, accepted: store.versions()[1])
     with pytest.raises(AssertionError, match="scaffold: server and clients disagree"):
         run_with_faults(tmp_path, "scaffold", FAULTS)
+
+
+# --------------------------------------------------------------------------- #
+# property: any sequence of applied and unapplied replies
+# --------------------------------------------------------------------------- #
+@settings(max_examples=60, deadline=None)
+@given(events=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=25),
+       kind=st.sampled_from(["context", "disk"]))
+def test_client_always_trains_from_the_last_applied_state(tmp_path_factory, events, kind):
+    """Rounds 1..n: the client is selected or not, and a selected client's
+    reply is applied or not (lost, late, rejected, dropped). Whatever the
+    sequence, a client trains from exactly the state of its last applied
+    round, and what it holds never runs ahead of the server by more than the
+    one pending version."""
+    folder = tmp_path_factory.mktemp("prop")
+    store = ContextState(RecordDict()) if kind == "context" else DiskState(folder / "client")
+    accepted, applied_value = 0, None  # the server's view
+    for server_round, (selected, applied) in enumerate(events, start=1):
+        if not selected:
+            continue
+        store.resolve(accepted)
+        assert value(store) == applied_value  # trains from the last applied state
+        store.begin(server_round)
+        new = (applied_value or 0.0) + server_round  # depends on the state it trained from
+        store.put("s", {"w": torch.tensor(new, dtype=torch.float64)})
+        store.seal()
+        if applied:
+            accepted, applied_value = server_round, new
+        committed, latest = store.versions()
+        assert committed <= accepted <= latest
+    store.resolve(accepted)
+    assert value(store) == applied_value and store.versions() == (accepted, accepted)
