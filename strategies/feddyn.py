@@ -86,7 +86,4 @@ def build(cfg: RunConfig, federation: Federation) -> FedDynStrategy:
 ALGORITHM = AlgorithmSpec(
     name="feddyn", build_strategy=build, solver=FedDynSolver, params=FedDynParams,
     summary="FedDyn: dynamic regularisation (linear + proximal local terms, server h)",
-    global_gc_refused=("the server state h must stay the mean of the clients' gradient states, which "
-                       "the clients update from their own uncentralized models; centralizing the "
-                       "server's update breaks that"),
 )

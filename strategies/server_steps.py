@@ -109,6 +109,8 @@ def momentum_step(x: dict[str, np.ndarray], aggregate: dict[str, np.ndarray],
     Returns ``(new x, new v)``. Same operations and dtypes as Flower's
     ``FedAvgM.aggregate_train``, so the result is bit-identical to it.
     """
+    if momentum == 0.0 and lr == 1.0:
+        return dict(aggregate), velocity  # Flower's FedAvgM returns the mean itself here
     d = {k: x[k] - aggregate[k] for k in x}
     if momentum > 0.0:
         velocity = d if velocity is None else {k: momentum * velocity[k] + d[k] for k in d}

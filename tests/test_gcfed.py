@@ -277,9 +277,9 @@ def test_local_only_config_and_composition():
     assert len(client_gradient_transforms(cfg, model)) == 1
     assert server_update_transforms(cfg) == []
     # client-side only, so allowed where global GC is refused
-    assert run_cfg("feddyn", **{"gc.mode": "local-only"}).gc.mode == "local-only"
+    assert run_cfg("fedcdr", **{"gc.mode": "local-only"}).gc.mode == "local-only"
     with pytest.raises(ConfigError, match="local-only"):
-        run_cfg("feddyn", **{"gc.mode": "hybrid"})
+        run_cfg("fedcdr", **{"gc.mode": "hybrid"})
 
 
 def test_local_only_client_step_centralizes_only_the_local_tensors():
