@@ -1,8 +1,9 @@
 """Server-side machinery shared by every algorithm.
 
-:class:`FedAccelStrategy` is a mixin placed before one of Flower's own
-strategies (``FedAvg``, ``FedProx``, ``FedAvgM``, ``FedAdam``...) in the MRO.
-It leaves their aggregation arithmetic untouched and adds what they lack:
+:class:`FedAccelStrategy` is a mixin placed before Flower's ``FedAvg`` (or
+``FedProx``, which adds ``proximal-mu`` to the training config) in the MRO.
+It takes over ``aggregate_train`` (the three stages below) and adds what
+Flower's strategies lack:
 
 - seeded client sampling by *partition id* (Flower's FedAvg samples node ids
   with Python's unseeded global ``random``, and node ids change every run), so
@@ -141,7 +142,7 @@ class PromptGrid(GridView):
 
     Flower's own ``send_and_receive`` sleeps a fixed interval between pulls:
     0.1 s in the simulation's in-memory grid, 3 s in the ServerApp's grid on
-    a real SuperLink, so every round ends up to that late (issue 8). This
+    a real SuperLink, so every round ends up to that late. This
     one pushes, then pulls with a back-off from 5 ms growing by half each
     time up to ``max_interval``: replies are collected at most ~50 % of the
     time already waited (and at most ``max_interval``) after they arrive.
@@ -297,7 +298,12 @@ class FedAccelStrategy:
         """Aggregate the valid replies into one model, *before* any server step
         (hook; default: Flower's FedAvg example-weighted mean, computed on
         zero-copy views). ``self.global_arrays`` is the model that was sent, so
-        ``aggregate - global_arrays`` is the round's aggregated update."""
+        ``aggregate - global_arrays`` is the round's aggregated update.
+
+        Contract: a combine that updates server state from the replies (SCAFFOLD's
+        ``c``, FedDyn's ``h``) must use every reply it is given and return a
+        model: the replies passed here are the ones recorded as applied
+        (``accepted_round``), which clients then commit."""
         valid, _ = self._check_and_log_replies(replies, is_train=True)  # type: ignore[attr-defined]
         if not valid:
             return None, None
@@ -435,8 +441,7 @@ class FedAccelStrategy:
                     "algorithm's invariants no longer hold exactly. Use client-state='disk'.",
                     server_round, pid_of.get(m.metadata.src_node_id), self.run_cfg.algo)
         if log_.stragglers and self.straggler_policy == "drop":
-            pid = self.federation.partition_of_node
-            kept = [m for m in ok if pid.get(m.metadata.src_node_id) not in log_.stragglers]
+            kept = [m for m in ok if pid_of.get(m.metadata.src_node_id) not in log_.stragglers]
             log_.dropped = len(ok) - len(kept)
             ok = kept
             if not ok:
