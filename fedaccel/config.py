@@ -306,13 +306,15 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
 
     gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
+    gc_default = GCConfig()  # the one source of the gc.* defaults besides pyproject (tested equal)
     gc = GCConfig(
         mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
-        lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else 1.0,
-        global_layers=_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg else "fc",
-        vectors=_string(cfg, "gc.vectors", VECTOR_RULES) if "gc.vectors" in cfg else "keep",
+        lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else gc_default.lam,
+        global_layers=(_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg
+                       else gc_default.global_layers),
+        vectors=_string(cfg, "gc.vectors", VECTOR_RULES) if "gc.vectors" in cfg else gc_default.vectors,
         weight_decay=(_string(cfg, "gc.weight-decay", WEIGHT_DECAY_RULES)
-                      if "gc.weight-decay" in cfg else "centralized"),
+                      if "gc.weight-decay" in cfg else gc_default.weight_decay),
     )
     require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
 

@@ -56,8 +56,10 @@ def render() -> str:
         "",
         "Each cell is `drop / partial` (with `straggler-fraction=0.34`). *tested*: the "
         "config accepts it and `tests/test_support.py::test_every_accepted_combination_runs` "
-        "trains it for two rounds in the fast runner (finite loss, and the state-protocol "
-        "invariants of `tests/test_state_protocol.py` are checked per algorithm there); "
+        "trains it for two rounds in the fast runner, 2 local epochs, one straggler of two "
+        "clients per round doing 1 (the run completes with a finite loss; the two-sided "
+        "state invariants are checked under faults by `tests/test_state_protocol.py`, for "
+        "every stateful algorithm with `gc.mode='none'` and for some with GC); "
         "*refused*: the run stops before any work with the reason below.",
         "",
         "| algo | " + " | ".join(f"`{m}`" for m in MODES) + " |",

@@ -27,12 +27,12 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from clients.fedavg import FedAvgSolver
-from fedaccel.arrays import numpy_to_record, record_to_numpy
+from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.registry import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
-from strategies.server_steps import ADAM_VARIANTS, AdamState, adam_step, plain_mean, reply_metrics
-from strategies.server_steps import numpy_to_record as numpy_to_record_like
+from strategies.server_steps import (ADAM_VARIANTS, AdamState, adam_step, numpy_to_record, plain_mean,
+                                     reply_metrics)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class FedAdamStrategy(FedAccelStrategy, FedAvg):
         if self.params.variant == "flower":
             return super().combine(server_round, replies)  # Flower's example-weighted mean
         mean = plain_mean(replies)  # Algorithm 2: (1/|S|) sum_i
-        return numpy_to_record_like(mean, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
+        return numpy_to_record(mean, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
 
     def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
         p = self.params

@@ -113,6 +113,10 @@ def test_every_algorithm_trains_through_the_shared_loop():
     for algo in algorithm_names():
         solver = get_algorithm(algo).solver
         assert solver.run_epochs is LocalSolver.run_epochs, algo
+        # fit() could bypass the loop: only FedPM/LocalNewton override it, for
+        # their exact mode (which refuses clipping) and to pick FOOF samples
+        if algo not in ("fedpm", "localnewton"):
+            assert solver.fit is LocalSolver.fit, algo
 
 
 # -------------------------------------------------------------- config

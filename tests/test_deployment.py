@@ -170,11 +170,16 @@ def test_disk_client_state_survives_a_supernode_crash_and_restart(tmp_path):
         assert [r["state_lost"] for r in context if r["round"] != lost[0]] == [0] * (rounds - 1)
         assert "client 1 had lost its fedcdr state" in outs["context"]
         # ... and the client said so once, in the context run only.
-        assert (dep.logs / "supernode-1.log").read_text().count("its state is gone") == 1
-        # The disk state lives under state-dir/run-<id>/client-<partition>.
+        assert (dep.logs / "supernode-1.log").read_text().count("is gone (a SuperNode restart") == 1
+        # The disk state lives under state-dir/run-<id>/client-<partition>, one
+        # folder per version (docs/client-state.md); the last round's is pending.
+        from clients.state import DiskState
+
         (run_dir,) = (tmp_path / "state").iterdir()
         for pid in (0, 1):
-            assert (run_dir / f"client-{pid}" / "dr.npz").is_file()
+            store = DiskState(run_dir / f"client-{pid}")
+            assert store.versions()[1] == rounds
+            assert (run_dir / f"client-{pid}" / f"v{rounds}" / "dr.npz").is_file()
     finally:
         for proc in procs.values():
             if proc.poll() is None:
