@@ -21,7 +21,8 @@ MODES = tuple(m for m in GC_MODES if m != "auto")
 # Runs through real Flower engines in the suite (tests/test_flwr_run.py CASES,
 # tests/test_deployment.py ALGOS; tests/test_support.py checks these sets).
 FLOWER_SIMULATION = {"fedavg": "default", "fedprox": "default", "fedavgm": "default",
-                     "fedadam": "default", "fedcdr": "default",
+                     "fedadam": "default", "fedcdr": "default", "fedrkmgc": "default",
+                     "fedacg": "default", "gcfed": "default", "fedpm": "default",
                      "scaffold": "stragglers dropped"}
 DEPLOYMENT = {"fedavg": "default", "fedcdr": "default, SuperNode crash and restart"}
 

@@ -23,9 +23,10 @@ from fedaccel.superlink import local_superlink_pids, stop_local_superlink
 pytestmark = pytest.mark.slow
 
 CONTROL_PORT = "39293"
-# fedcdr keeps client state across rounds: matching the fast runner over
+# the five algorithms of this project and the FedAvg family; fedcdr and
+# fedrkmgc keep client state across rounds: matching the fast runner over
 # several rounds shows the state survives in Ray's simulation too.
-ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedcdr")
+ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedcdr", "fedrkmgc", "fedacg", "gcfed", "fedpm")
 # a stateful algorithm whose stragglers' replies are dropped: the client-state
 # commit protocol rolls their state back identically under Ray
 CASES = [(algo, {}) for algo in ALGOS] + [
