@@ -116,6 +116,23 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert "algo='nope'" in err and "fedavg" in err
 
 
+@pytest.mark.parametrize("tokens,wanted", [
+    (["algo='fedadam'", "fedadam.variant='adamw'"], "fedadam.variant='adamw': allowed: paper"),
+    (["algo='fedcdr'", "gc.mode='global'"], "gc.mode='global': is refused with algo='fedcdr'"),
+    (["gc.mode='local'", "gc.vectors='median'"], "gc.vectors='median'"),
+    (["gc.mode='local'", "gc.weight-decay='both'"], "gc.weight-decay='both'"),
+    (["clip-norm=-1.0"], "clip-norm=-1.0"),
+    (["algo='fedpm'", "model='logreg'", "fedpm.mode='exact'", "clip-norm=1.0", "clients-per-round=2"],
+     "clip-norm=1.0"),
+])
+def test_new_options_refuse_bad_values_in_one_line(tmp_path, capsys, tokens, wanted):
+    """The options added for trustworthy results, through the real command."""
+    code = main([f"results-dir='{tmp_path}'", *tokens, "--num-clients", "4", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert wanted in err
+
+
 def test_more_clients_per_round_than_clients(tmp_path, capsys):
     code = main([f"results-dir='{tmp_path}'", "clients-per-round=10", "--num-clients", "4", "--quiet"])
     err = capsys.readouterr().err.strip()
