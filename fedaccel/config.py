@@ -306,7 +306,7 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
 
     gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
-    gc_default = GCConfig()  # the one source of the gc.* defaults besides pyproject (tested equal)
+    gc_default = GCConfig()  # the gc.* defaults when a key is absent (pyproject equal: tests/test_defaults.py)
     gc = GCConfig(
         mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
         lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else gc_default.lam,

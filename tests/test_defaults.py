@@ -65,3 +65,20 @@ def test_every_algorithm_is_checked():
     the defaults covered must be there."""
     names = {spec.name for spec in SPECS}
     assert {"fedprox", "feddyn", "scaffold", "fedrkmgc", "fedacg"} <= names
+
+
+def test_gc_defaults_match_pyproject(pyproject):
+    """``gc.*`` keys fall back to :class:`GCConfig`'s defaults when absent
+    (parse_run_config); pyproject's ``[tool.flwr.app.config.gc]`` must say the
+    same. ``mode`` is the exception by design: the key's ``auto`` resolves to
+    the algorithm's ``default_gc_mode``, whose fallback is GCConfig's ``none``."""
+    from fedaccel.config import GCConfig
+
+    default = GCConfig()
+    keys = {"lam": "gc.lambda", "global_layers": "gc.global-layers", "vectors": "gc.vectors",
+            "weight_decay": "gc.weight-decay"}
+    assert {f.name for f in dataclasses.fields(GCConfig)} - set(keys) == {"mode"}
+    for name, key in keys.items():
+        assert pyproject[key] == getattr(default, name), key
+    assert pyproject["gc.mode"] == "auto" and default.mode == "none"
+    assert {k for k in pyproject if k.startswith("gc.")} == set(keys.values()) | {"gc.mode"}
