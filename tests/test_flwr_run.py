@@ -19,18 +19,21 @@ import pytest
 
 from fedaccel.local_run import default_run_config, fuse, project_dir, run_local
 from fedaccel.superlink import local_superlink_pids, stop_local_superlink
+from fedaccel.support import MATRIX, engine_runs
 
 pytestmark = pytest.mark.slow
 
 CONTROL_PORT = "39293"
-# the five algorithms of this project and the FedAvg family; fedcdr and
-# fedrkmgc keep client state across rounds: matching the fast runner over
-# several rounds shows the state survives in Ray's simulation too.
-ALGOS = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedcdr", "fedrkmgc", "fedacg", "gcfed", "fedpm")
-# a stateful algorithm whose stragglers' replies are dropped: the client-state
-# commit protocol rolls their state back identically under Ray
-CASES = [(algo, {}) for algo in ALGOS] + [
-    ("scaffold", {"straggler-fraction": 0.34, "straggler-policy": "drop"})]
+# Every registered algorithm's default config, plus SCAFFOLD with dropped
+# stragglers (the client-state commit protocol rolls their state back
+# identically under Ray). fedcdr and fedrkmgc keep client state across rounds:
+# matching the fast runner over several rounds shows it survives in Ray's
+# simulation too. The suite runs a few; the engine matrix the rest
+# (fedaccel/support.py, docs/support.md).
+VARIANTS = {"default": {}, "stragglers dropped": {"straggler-fraction": 0.34, "straggler-policy": "drop"}}
+CASES = [pytest.param(algo, VARIANTS[variant], id=algo + ("" if variant == "default" else "-stragglers"),
+                      marks=[pytest.mark.engine_matrix] if tier == MATRIX else [])
+         for algo, variant, tier in engine_runs("simulation")]
 NUM_CLIENTS = 6
 
 
@@ -81,7 +84,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("algo,extra", CASES, ids=[a + ("-stragglers" if e else "") for a, e in CASES])
+@pytest.mark.parametrize("algo,extra", CASES)
 def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo, extra):
     proc = flwr_run(flwr_env, overrides(algo, tmp_path / "sim", **extra))
     out = proc.stdout + proc.stderr

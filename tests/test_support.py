@@ -24,12 +24,28 @@ def test_support_page_is_current():
 
 
 def test_runner_columns_match_the_engine_tests():
+    """The engine tests run exactly the runs the table lists, each registered
+    algorithm at least once per engine, in the tier the table says."""
     import test_deployment
     import test_flwr_run
 
-    assert {a: bool(extra) for a, extra in test_flwr_run.CASES} == {
-        a: how != "default" for a, how in support.FLOWER_SIMULATION.items()}
-    assert set(test_deployment.ALGOS) == set(support.DEPLOYMENT)
+    for engine in support.ENGINES:
+        runs = support.engine_runs(engine)
+        assert {algo for algo, variant, _ in runs if variant == "default"} == set(algorithm_names())
+        assert all(tier in (support.SUITE, support.MATRIX) for _, _, tier in runs)
+
+    def tier(param) -> str:
+        return support.MATRIX if any(m.name == "engine_matrix" for m in param.marks) else support.SUITE
+
+    sim = [(p.values[0], "default" if not p.values[1] else "stragglers dropped", tier(p))
+           for p in test_flwr_run.CASES]
+    assert sim == support.engine_runs("simulation")
+    dep = support.engine_runs("deployment")
+    assert test_deployment.SUITE_ALGOS == [a for a, _, t in dep if t == support.SUITE]
+    assert test_deployment.MATRIX_ALGOS == [a for a, _, t in dep if t == support.MATRIX]
+    # the matrix test is the one the engine_matrix marker selects
+    marks = {m.name for m in test_deployment.test_matrix_two_rounds_through_real_supernodes.pytestmark}
+    assert "engine_matrix" in marks
 
 
 def test_the_table_has_both_kinds_of_cells():
