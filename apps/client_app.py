@@ -88,7 +88,7 @@ def _shared(frozen_config: tuple, num_partitions: int, data_path: str) -> _Share
     round loads the received weights into the one model, and solvers keep
     nothing between rounds outside :class:`clients.state.ClientState`.
     Building them per partition cost a fifth of every client round for small
-    models (issue 8, under cProfile: 3.4 ms of a 16 ms client round on the 60-32-10
+    models (under cProfile: 3.4 ms of a 16 ms client round on the 60-32-10
     MLP).
     """
     from fedaccel.registry import get_algorithm

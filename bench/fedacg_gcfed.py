@@ -1,9 +1,11 @@
-"""Benchmark FedACG (with its Table 4 ablation rows) and GC-Fed on Fashion-MNIST (issue 5).
+"""Benchmark FedACG (with its Table 4 ablation rows) and GC-Fed on Fashion-MNIST.
 
-Papers: /work/shared/papers/fedacg-lookahead-momentum.txt (Algorithm 1, Table 4) and
-gc-fed-gradient-centralization.txt (Algorithm 1, Table 7, the FedACG-with-local-momentum
-remark); setting from the "Benchmark design" notes of IMPLEMENTATION-NOTES.md: label
-Dirichlet 0.1, 5 of 100 clients per round, rounds to a target and final accuracy.
+Papers: "Communication-Efficient Federated Learning with Accelerated Client Gradient"
+(FedACG; Kim, Kim, Han, CVPR 2024, arXiv:2201.03172; Algorithm 1, Table 4) and "GC-Fed:
+Gradient Centralized Federated Learning with Partial Client Participation" (Seo, Catak,
+Rong, Hong, Kim, 2025, arXiv:2503.13180; Algorithm 1, Table 7, the
+FedACG-with-local-momentum remark). Setting: label Dirichlet 0.1, 5 of 100 clients per
+round, rounds to a target and final accuracy.
 Every run goes through the fast in-process runner (:func:`fedaccel.local_run.run_local`)
 in its own spawned process.
 

@@ -1,7 +1,8 @@
 """Reproduce FedCDR's Table 1 (synthetic data) and Table 8 (stragglers) at small scale.
 
-Paper: /work/shared/papers/fedcdr-client-reshuffling-dr.txt (Table 1, appendix
-F.3 Table 8, appendix G). Every run goes through the fast in-process runner
+Paper: "Mitigating Data Heterogeneity Effect in Client-Reshuffling-Based
+Federated Learning" (FedCDR; anonymous, under double-blind review, no arXiv id;
+Table 1, appendix F.3 Table 8, appendix G). Every run goes through the fast in-process runner
 (:func:`fedaccel.local_run.run_local`) in its own spawned process.
 
     python bench/fedcdr_table1.py --table all --rounds 200 --seeds 0 1 2 --jobs 2

@@ -1,10 +1,11 @@
-"""Benchmark the gradient-correction family on Fashion-MNIST with a CNN (issue 4).
+"""Benchmark the gradient-correction family on Fashion-MNIST with a CNN.
 
 FedAvg, SCAFFOLD, FedDyn and FedRKMGC with the ablation rows of the FedRKMGC paper's
 Tables 3 and 9 (raw, w Re, w KM, w fast KM, w Re & KM, w Re & fast KM = full), label
 Dirichlet 0.3 (every method) and 0.1 (FedAvg, SCAFFOLD, FedDyn, FedRKMGC by default),
-100 clients, 10 per round, several seeds. Paper: /work/shared/papers/
-fedrkmgc-relaxation-fast-km.txt (section 4.4, appendix D.6); local optimizer as in its
+100 clients, 10 per round, several seeds. Paper: "FedRKMGC: Towards High-Performance Gradient
+Correction-Based Federated Learning via Relaxation and Fast KM Iteration" (anonymous,
+under double-blind review, no arXiv id; section 4.4, appendix D.6); local optimizer as in its
 section 4.1 (SGD lr 0.01, momentum 0.8, batch 20).
 
 Scale, chosen so the default grid (39 runs) finishes in about an hour on 2 CPU cores:

@@ -1,4 +1,4 @@
-"""What a round costs beyond the clients' own training: bare loop vs fast runner vs Ray (issue 8).
+"""What a round costs beyond the clients' own training: bare loop vs fast runner vs Ray.
 
 For each workload and algorithm, one invocation times, on this machine:
 

@@ -1,4 +1,4 @@
-"""Fast conversions between Flower ``Array``s and NumPy/PyTorch (issue 8).
+"""Fast conversions between Flower ``Array``s and NumPy/PyTorch.
 
 A Flower :class:`~flwr.app.Array` holds its values as the bytes of an
 ``.npy`` file (``stype='numpy.ndarray'``), and ``Array.numpy()`` reads them
@@ -6,7 +6,7 @@ back with ``np.load``, which parses the header with ``ast.literal_eval``:
 50-95 us per array here, mostly independent of its size. Every model
 crosses that three times per client and round (the client loads it, the
 server checks and averages the reply): about a third of the framework's
-overhead on small models (docs/measurements.md, issue 8). Nothing in Flower or NumPy offers a zero-copy reader, so these two
+overhead on small models (docs/measurements.md). Nothing in Flower or NumPy offers a zero-copy reader, so these two
 small codecs are written here by hand:
 
 - :func:`to_numpy`: a read-only view of the ``.npy`` payload, used when the
