@@ -2,23 +2,51 @@
 
 Reads the run config, learns which partition each node holds, builds the
 algorithm's strategy from the registry and runs it; results go to
-``results-dir/run-name/``. User errors (bad config, missing data files, too
-few nodes) end the run with one clear line instead of a traceback.
+``results-dir/run-name/``. A user error (bad config, missing data files, too
+few nodes) ends the run as *failed* in ``flwr ls`` and shows in ``flwr log``
+as one line, not a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from logging import ERROR, WARNING
+from logging import WARNING
 
 from flwr.app import Context
 from flwr.common import log
+from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import Grid, ServerApp
 
 from fedaccel.errors import USER_ERRORS
 from fedaccel.experiment import run_experiment
 
 app = ServerApp()
+
+
+class OneLineUserErrors(logging.Filter):
+    """Show a user error that ends a run as one line in Flower's log.
+
+    Flower marks a run failed only when the ServerApp raises (a ``SystemExit``
+    is listed as completed), and it logs what was raised with its traceback
+    ("ServerApp raised an exception" on a SuperLink, "Simulation raised an
+    exception" under Ray). For our user errors this filter drops the traceback
+    and puts the message in the line. Flower has no hook for this; a logging
+    filter on its logger is the least intrusive way.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        if isinstance(err, USER_ERRORS):
+            entity = record.args[0] if isinstance(record.args, tuple) and record.args else "ServerApp"
+            record.msg, record.args = "%s stopped: [fedaccel] %s", (entity, err)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def install_one_line_user_errors() -> None:
+    if not any(isinstance(f, OneLineUserErrors) for f in FLOWER_LOGGER.filters):
+        FLOWER_LOGGER.addFilter(OneLineUserErrors())
 
 
 @app.main()
@@ -32,5 +60,5 @@ def main(grid: Grid, context: Context) -> None:
     try:
         run_experiment(grid, dict(context.run_config))
     except USER_ERRORS as err:
-        log(ERROR, "[fedaccel] %s", err)
-        raise SystemExit(f"[fedaccel] {err}") from None
+        install_one_line_user_errors()
+        raise err.with_traceback(None) from None

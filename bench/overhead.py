@@ -74,14 +74,15 @@ CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never t
 
 
 def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str) -> dict[str, Any]:
-    return {
+    # the bare loop's FedPM uploads the end-of-round FOOF matrix (what the
+    # recorded measurements ran; FedPM's default is now upload 'used')
+    fedpm = {"fedpm.upload": "end"} if algo == "fedpm" else {}
+    return {**fedpm,
         **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
         "clients-per-round": 10, "local-epochs": 1, "eval-every": rounds, "accl-every": 0,
         "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
-        # the bare loop's FedPM does not clip and uploads the end-of-round FOOF
-        # matrix (what the recorded measurements ran); FedPM's defaults are now
-        # clip-norm 1.0 and upload 'used'
-        "clip-norm": 0, "fedpm.upload": "end",
+        # the bare loop does not clip (FedPM's default is now clip-norm 1.0)
+        "clip-norm": 0,
     }
 
 

@@ -34,6 +34,7 @@ def run_job(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """One run through the fast runner; a run that stops with a user error (e.g.
     every client replied non-finite weights after a divergence) is recorded as
     failed with its curve so far instead of killing the pool worker."""
+    from fedaccel.errors import USER_ERRORS
     from fedaccel.local_run import default_run_config, fuse, run_local
 
     overrides = dict(job["overrides"], **{"results-dir": run_dir, "run-name": job["name"]})
@@ -41,8 +42,8 @@ def run_job(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
     error = None
     try:
         folder = run_local(fuse(default_run_config(), overrides), job["num_clients"], quiet=True)
-    except SystemExit as err:
-        error, folder = str(err.code), Path(run_dir) / job["name"]
+    except USER_ERRORS as err:
+        error, folder = str(err), Path(run_dir) / job["name"]
     seconds = time.perf_counter() - start
     summary = {} if error else json.loads((folder / "summary.json").read_text())
     rows = []

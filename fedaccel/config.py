@@ -10,6 +10,7 @@ what is allowed instead of a traceback from deep inside training.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -22,6 +23,12 @@ class ConfigError(ValueError):
 def config_error(key: str, value: Any, allowed: str) -> ConfigError:
     """Build the one-line error used for every invalid key."""
     return ConfigError(f"invalid run config: {key}={value!r}: {allowed}")
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -152,8 +159,8 @@ class RunConfig:
 
     def cohort_size(self, num_clients: int) -> int:
         """Clients trained per round, from a count or a fraction of ``num_clients``."""
-        if isinstance(self.clients_per_round, int) or self.clients_per_round > 1:
-            size = int(self.clients_per_round)
+        if isinstance(self.clients_per_round, int):
+            size = self.clients_per_round
         else:
             size = max(1, int(round(self.clients_per_round * num_clients)))
         if size > num_clients:
@@ -238,6 +245,28 @@ def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> 
     return params
 
 
+def _refuse_other_algorithms_keys(cfg: Mapping[str, Any], algo: str) -> None:
+    """Refuse a hyperparameter of another algorithm set away from its default.
+
+    The run config always holds every algorithm's keys (pyproject's defaults),
+    so a key is the user's only when its value differs from the default:
+    ``fedprox.mu=0.5`` with ``algo='fedavg'`` would be ignored, silently.
+    """
+    from fedaccel.registry import algorithm_names, get_algorithm
+
+    mine = get_algorithm(algo).prefix
+    for other in algorithm_names():
+        spec = get_algorithm(other)
+        if spec.prefix == mine:
+            continue
+        for f in dataclasses.fields(spec.params):
+            key = f"{spec.prefix}.{f.name.replace('_', '-')}"
+            if key in cfg and cfg[key] != f.default:
+                raise config_error(
+                    key, cfg[key], f"is a hyperparameter of algo='{other}', which this run does "
+                    f"not use (algo='{algo}'): remove it, or set algo='{other}'")
+
+
 def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     """Validate a Flower run config and return the typed :class:`RunConfig`."""
     # Imported here: the registry imports strategies, which import this module.
@@ -252,14 +281,19 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
             + ": run from the project folder (flwr run .) so pyproject.toml supplies them"
         )
     algo = _string(cfg, "algo")
-    require(algo in algorithm_names(), "algo", algo, f"allowed: {', '.join(algorithm_names())}")
+    require(algo in algorithm_names(), "algo", algo,
+            f"allowed: {', '.join(algorithm_names())}{did_you_mean(algo, algorithm_names())}")
     spec = get_algorithm(algo)
+    _refuse_other_algorithms_keys(cfg, algo)
 
     cpr = _number(cfg, "clients-per-round")
-    require(
-        cpr > 0 and (cpr <= 1 or cpr.is_integer()), "clients-per-round", cfg["clients-per-round"],
-        "must be a whole number of clients >= 1 or a fraction in (0, 1]",
-    )
+    if isinstance(cfg["clients-per-round"], int):
+        require(cpr >= 1, "clients-per-round", cfg["clients-per-round"],
+                "an integer is a count of clients and must be >= 1 (a fraction is a float in (0, 1], e.g. 0.1)")
+    else:
+        require(0 < cpr <= 1, "clients-per-round", cfg["clients-per-round"],
+                "a float is a fraction of the clients and must be in (0, 1]; for a count of "
+                f"clients write a whole number without a decimal point (e.g. {max(1, int(cpr))})")
     alpha = _number(cfg, "dirichlet-alpha")
     require(alpha > 0, "dirichlet-alpha", cfg["dirichlet-alpha"], "must be > 0 (smaller = more heterogeneous)")
     lr = _number(cfg, "lr")

@@ -1,4 +1,15 @@
-"""Errors a user can cause and fix; apps show them as one line, not a traceback."""
+"""Errors a user can cause and fix; apps show them as one line, not a traceback.
+
+Each kind has one exit code in ``fedaccel-run`` (documented in the README):
+
+- 2: the command or the run config is wrong (unknown key, invalid value, a
+  YAML file that is missing or malformed, a model that does not fit the data);
+- 3: the machine or the data is wrong (missing or corrupt data files, a
+  results folder that cannot be written, too few clients for the run);
+- 4: the run started and failed (every client of a round failed).
+
+Anything else is a bug in fedaccel: exit code 1 with a traceback.
+"""
 
 from data import DataError
 from fedaccel.config import ConfigError
@@ -9,10 +20,28 @@ class FederationError(RuntimeError):
     """The clients could not be discovered (missing nodes, bad node config)."""
 
 
+class ResultsDirError(RuntimeError):
+    """The results folder cannot be created or written."""
+
+
 class RoundFailedError(RuntimeError):
     """Every client of a round failed; continuing would silently freeze the model."""
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, DataError, ModelError, FederationError, RoundFailedError,
+    ConfigError, DataError, ModelError, FederationError, ResultsDirError, RoundFailedError,
 )
+
+EXIT_CODES: dict[type[BaseException], int] = {
+    ConfigError: 2, ModelError: 2,
+    DataError: 3, FederationError: 3, ResultsDirError: 3,
+    RoundFailedError: 4,
+}
+
+
+def exit_code(err: BaseException) -> int:
+    """The documented exit code of a user error (1 for anything else)."""
+    for kind, code in EXIT_CODES.items():
+        if isinstance(err, kind):
+            return code
+    return 1

@@ -20,12 +20,19 @@ from flwr.serverapp import Grid
 
 from fedaccel.arrays import load_into
 from fedaccel.config import RunConfig
-from fedaccel.errors import FederationError
+from fedaccel.errors import FederationError, ResultsDirError
 from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
 from strategies.base import Federation, PromptGrid, query_partitions
+
+
+MISSING_NODES_HINT = (
+    "in Flower's simulation, num-supernodes (flwr run --federation-config "
+    "\"num-supernodes=N\") must be at most what the machine can start, and every node "
+    "needs its partition; on a real federation, start the missing SuperNodes, each "
+    "with --node-config \"partition-id=I num-partitions=N\"")
 
 
 def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -> Federation:
@@ -60,7 +67,7 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
         if time.monotonic() > deadline:
             raise FederationError(
                 f"only {len(partition_of)} of {expected if expected is not None else '?'} clients "
-                f"registered within {timeout:.0f} s; start the missing SuperNodes")
+                f"registered within {timeout:.0f} s; {MISSING_NODES_HINT}")
         time.sleep(poll)
 
 
@@ -71,10 +78,26 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
     return (Path(cfg.results_dir).expanduser() / name).resolve()
 
 
+def writable_run_dir(cfg: RunConfig) -> Path:
+    """The run's results folder, created and checked writable before any work."""
+    run_dir = resolve_run_dir(cfg)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".fedaccel-write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ResultsDirError(
+            f"results-dir={cfg.results_dir!r}: cannot write the run folder {run_dir} "
+            f"({err.strerror or err}); set results-dir to a writable folder") from None
+    return run_dir
+
+
 class Experiment:
     """One run on the server: model, test set, strategy and recorder."""
 
-    def __init__(self, cfg: RunConfig, federation: Federation, quiet: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, federation: Federation, quiet: bool = False,
+                 run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.federation = federation
         self.spec = get_algorithm(cfg.algo)
@@ -84,7 +107,7 @@ class Experiment:
         self.test_x = torch.from_numpy(dataset.test_x).to(self.device)
         self.test_y = torch.from_numpy(dataset.test_y).to(self.device)
         self.strategy = self.spec.build_strategy(cfg, federation)
-        self.run_dir = resolve_run_dir(cfg)
+        self.run_dir = run_dir or writable_run_dir(cfg)
         resolved = cfg.to_dict()
         resolved["resolved"].update({
             "model": model_name(cfg),
@@ -143,7 +166,7 @@ class Experiment:
         )
         final = result.arrays if len(result.arrays) else initial
         np.savez(self.run_dir / "final_model.npz", **{k: a.numpy() for k, a in final.items()})
-        return self.recorder.finish()
+        return self.recorder.finish(extra_files=("final_model.npz",))  # prints the results folder last
 
 
 _LAST_RUN: list[Path] = []
@@ -162,9 +185,10 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     from fedaccel.config import parse_run_config
 
     cfg = parse_run_config(run_config)
+    run_dir = writable_run_dir(cfg)  # a results folder that cannot be written fails now, not at the end
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
-    experiment = Experiment(cfg, federation, quiet=os.environ.get("FEDACCEL_QUIET") == "1")
+    experiment = Experiment(cfg, federation, quiet=os.environ.get("FEDACCEL_QUIET") == "1", run_dir=run_dir)
     _LAST_RUN.append(experiment.run_dir)
     return experiment.run(grid)

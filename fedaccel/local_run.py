@@ -15,6 +15,7 @@ Values use ``flwr run --run-config`` syntax (TOML); a bare word such as
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ from typing import Any
 
 import tomli
 import yaml
-from flwr.common.config import flatten_dict, get_project_config, parse_config_args
+from flwr.common.config import flatten_dict, get_project_config
+
+from fedaccel.config import ConfigError, did_you_mean
 
 DEFAULT_NUM_CLIENTS = 20  # the local-simulation profile's num-supernodes (flower.toml)
 
@@ -46,21 +49,71 @@ def _parse_value(text: str) -> Any:
         return text  # bare word -> string, for convenience
 
 
+# The key=value pairs of a --run-config string: flwr's own pattern
+# (flwr.common.config.parse_config_args), which silently skips what it does
+# not match; parse_run_config_string refuses the leftovers instead.
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def parse_run_config_string(text: str) -> dict[str, Any]:
+    """``--run-config`` as ``flwr run`` reads it (TOML values, strings quoted),
+    but a token that is not ``key=value`` or a value that is not TOML is an error."""
+    if text.strip().endswith(".toml"):
+        path = Path(text.strip()).expanduser()
+        try:
+            return flatten_dict(tomli.loads(path.read_text(encoding="utf-8")))
+        except OSError as err:
+            raise ConfigError(f"--run-config {path}: cannot read it ({err.strerror or err})") from None
+        except tomli.TOMLDecodeError as err:
+            raise ConfigError(f"--run-config {path}: not valid TOML ({err})") from None
+    out: dict[str, Any] = {}
+    leftover = _PAIR.sub(" ", text).split()
+    if leftover:
+        raise ConfigError(f"--run-config: {' '.join(leftover)!r} is not key=value "
+                          "(e.g. --run-config \"algo='fedprox' fedprox.mu=0.1\")")
+    for key, value in _PAIR.findall(text):
+        try:
+            out[key] = tomli.loads(f"v = {value}")["v"]
+        except tomli.TOMLDecodeError:
+            raise ConfigError(
+                f"--run-config: {key}={value} is not a TOML value: quote strings "
+                f"({key}='{value.strip(chr(39) + chr(34))}'); numbers and true/false stay bare") from None
+    return out
+
+
+def load_yaml_config(yaml_file: str) -> dict[str, Any]:
+    """The run-config keys of a YAML file (nested mappings become dotted keys)."""
+    try:
+        with open(yaml_file, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {yaml_file}: no such file") from None
+    except OSError as err:
+        raise ConfigError(f"--config {yaml_file}: cannot read it ({err.strerror or err})") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--config {yaml_file}: not valid YAML{at}: {problem}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {yaml_file}: must hold a mapping of run-config keys "
+                          f"(key: value lines), not a {type(loaded).__name__}")
+    return flatten_dict(loaded)
+
+
 def parse_overrides(tokens: list[str], run_config: str | None, yaml_file: str | None) -> dict[str, Any]:
     """Merge a YAML file, ``--run-config`` string and ``key=value`` tokens (later wins)."""
     out: dict[str, Any] = {}
     if yaml_file:
-        with open(yaml_file, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"fedaccel-run: error: {yaml_file} must hold a mapping of run-config keys")
-        out.update(flatten_dict(loaded))
+        out.update(load_yaml_config(yaml_file))
     if run_config:
-        out.update(parse_config_args([run_config]))
+        out.update(parse_run_config_string(run_config))
     for token in tokens:
-        if "=" not in token:
-            raise SystemExit(f"fedaccel-run: error: expected key=value, got {token!r}")
-        key, value = token.split("=", 1)
+        key, sep, value = token.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"expected key=value, got {token!r} (e.g. algo='fedprox' fedprox.mu=0.1)")
         out[key.strip()] = _parse_value(value.strip())
     return out
 
@@ -69,10 +122,10 @@ def fuse(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Defaults overridden by ``overrides``; unknown keys are an error, as in flwr run."""
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
-        close = ", ".join(unknown)
-        raise SystemExit(
-            f"fedaccel-run: error: unknown run-config key(s) {close}; "
-            f"the keys are those of [tool.flwr.app.config] in pyproject.toml (docs/config.md)")
+        hints = "".join(did_you_mean(key, defaults) for key in unknown[:1])
+        raise ConfigError(
+            f"unknown run-config key(s) {', '.join(unknown)}{hints}; the keys are those of "
+            "[tool.flwr.app.config] in pyproject.toml (docs/config.md)")
     return {**defaults, **overrides}
 
 
@@ -80,14 +133,15 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
               quiet: bool = False, verbose: bool = False) -> Path:
     """Run the project's ServerApp and ClientApp in-process; returns the run folder.
 
-    User errors (bad config, missing data...) raise ``SystemExit`` with one
-    line, exactly as the ServerApp ends a ``flwr run``.
+    User errors (bad config, missing data...) raise one of
+    :data:`fedaccel.errors.USER_ERRORS`, whose message is one line for the
+    user, exactly as they end a ``flwr run`` as failed.
     """
     import logging
     import os
 
     from flwr.app import Context, RecordDict
-    from flwr.common.logger import FLOWER_LOGGER
+    from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
     from apps.client_app import app as client_app, prepare_clients
     from clients.state import state_run_dir
@@ -97,6 +151,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
+    update_console_handler(colored=sys.stderr.isatty())  # no ANSI codes in a pipe or a file
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
     prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
@@ -108,6 +163,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
                       ignore_errors=True)
         FLOWER_LOGGER.setLevel(previous_level)  # the caller's logging is not ours to change
+        update_console_handler(colored=True)  # Flower's default
         if previous is None:
             del os.environ["FEDACCEL_QUIET"]
         else:
@@ -117,21 +173,34 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     return last_run_dir()
 
 
+EXIT_CODES_HELP = """exit codes:
+  0  the run finished; its results folder is printed last
+  1  a bug in fedaccel (a traceback; please report it)
+  2  the command or the run config is wrong (unknown key, invalid value,
+     a YAML file that is missing or malformed)
+  3  the machine or the data is wrong (missing or corrupt data files,
+     a results folder that cannot be written, too few samples or clients)
+  4  the run started and failed (every client of a round failed)
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fedaccel-run",
         description="Run a fedaccel experiment in one process (no Ray), with flwr run's run-config keys.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="run-config overrides, e.g. algo='fedprox' fedprox.mu=0.1")
     parser.add_argument("--run-config", help="overrides as one string, exactly as for flwr run")
-    parser.add_argument("--config", help="a YAML file of run-config keys (nested tables allowed)")
+    parser.add_argument("--config", help="a YAML file of run-config keys (nested tables allowed; configs/ has examples)")
     parser.add_argument("--num-clients", type=int, default=DEFAULT_NUM_CLIENTS,
                         help=f"simulated clients (default {DEFAULT_NUM_CLIENTS}, as local-simulation)")
     parser.add_argument("--list", action="store_true", help="list the algorithms and exit")
-    parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-round progress lines (the results folder is still printed)")
     parser.add_argument("--verbose", action="store_true", help="show Flower's own INFO logs")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value tokens before and after options
 
     if args.list:
         from fedaccel.registry import describe
@@ -142,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_clients < 1:
         parser.error("--num-clients must be >= 1")
 
-    run_config = fuse(default_run_config(), parse_overrides(args.overrides, args.run_config, args.config))
+    from fedaccel.errors import USER_ERRORS, exit_code
+
     try:
+        run_config = fuse(default_run_config(), parse_overrides(args.overrides, args.run_config, args.config))
         run_local(run_config, num_clients=args.num_clients, quiet=args.quiet, verbose=args.verbose)
-    except SystemExit as err:  # the ServerApp's one-line user error
-        if err.code not in (0, None):
-            print(f"fedaccel-run: error: {err.code}", file=sys.stderr)
-            return 2
+    except USER_ERRORS as err:  # one line, once, plain: the message says what to change
+        print(f"fedaccel-run: error: {err}", file=sys.stderr)
+        return exit_code(err)
     return 0
 
 

@@ -309,7 +309,8 @@ class RunRecorder:
     num_rounds:
         Planned number of rounds; only used in the progress line.
     quiet:
-        If true, :meth:`log_round` and :meth:`finish` print nothing.
+        If true, :meth:`log_round` prints nothing (:meth:`finish` still prints
+        where the results are).
     """
 
     def __init__(
@@ -409,11 +410,12 @@ class RunRecorder:
             print(self.progress_line(clean), flush=True)
 
     # -- end ---------------------------------------------------------------
-    def finish(self) -> dict:
+    def finish(self, extra_files: tuple[str, ...] = ()) -> dict:
         """Write ``summary.json`` and ``curves.png``; return the summary dict.
 
         Closes ``metrics.jsonl``.  Prints
-        ``[fedaccel] results written to <absolute run_dir>`` unless quiet.
+        ``[fedaccel] results written to <absolute run_dir> (<files>)``, quiet or
+        not; ``extra_files`` are files the caller wrote there too.
         """
         self.close()
         summary = summarize(self.rows, self.target_accuracy)
@@ -423,8 +425,9 @@ class RunRecorder:
         name = self.config.get("algo") or self.run_dir.name
         plot_curves(self.rows, self.run_dir / CURVES_FILE, title=f"{name} ({self.run_dir.name})")
         self.summary = summary
-        if not self.quiet:
-            print(f"[fedaccel] results written to {self.run_dir.resolve()}", flush=True)
+        # printed even when quiet: the one line that says where everything went
+        files = ", ".join((METRICS_FILE, SUMMARY_FILE, CURVES_FILE, CONFIG_FILE) + tuple(extra_files))
+        print(f"[fedaccel] results written to {self.run_dir.resolve()} ({files})", flush=True)
         return summary
 
 

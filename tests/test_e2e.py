@@ -144,13 +144,15 @@ def test_more_clients_than_samples(tmp_path, capsys):
     code = main([f"results-dir='{tmp_path}'", "dataset='digits'", "clients-per-round=2",
                  "--num-clients", "2000", "--quiet"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1
+    assert code == 3 and len(err.splitlines()) == 1  # 3: the data cannot serve the run
     assert "2000" in err
 
 
-def test_unknown_key_rejected(tmp_path):
-    with pytest.raises(SystemExit, match="fedprox.muu"):
-        main([f"results-dir='{tmp_path}'", "fedprox.muu=0.1"])
+def test_unknown_key_rejected(tmp_path, capsys):
+    code = main([f"results-dir='{tmp_path}'", "fedprox.muu=0.1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "fedprox.muu (did you mean 'fedprox.mu'?)" in err
 
 
 def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch):
@@ -161,7 +163,9 @@ def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch):
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(clients.base.LocalSolver, "run_epochs", broken)
-    with pytest.raises(SystemExit, match="all 3 sampled clients failed.*disk on fire"):
+    from fedaccel.errors import RoundFailedError
+
+    with pytest.raises(RoundFailedError, match="all 3 sampled clients failed.*disk on fire"):
         run_local(small_config(tmp_path), num_clients=6, quiet=True)
 
 

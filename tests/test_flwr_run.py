@@ -125,8 +125,26 @@ def run_log(env: dict, output: str, wanted: str, timeout: float = 60) -> str:
     return text
 
 
-def test_flwr_run_bad_config_is_one_clear_line(flwr_env, tmp_path):
-    proc = flwr_run(flwr_env, {"algo": "nope", "results-dir": str(tmp_path)}, timeout=180)
-    wanted = "[fedaccel] invalid run config: algo='nope': allowed: fedacg, fedadam, fedavg"
-    assert wanted in run_log(flwr_env, proc.stdout + proc.stderr, wanted)
-    assert not (tmp_path / "nope").exists()
+def run_status(env: dict, run_id: str, timeout: float = 60) -> str:
+    """``flwr ls``'s status of a run, once it has finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run([flwr_bin(), "ls", "--run-id", run_id, "--format", "json"],
+                               cwd=project_dir(), env=env, capture_output=True, text=True, timeout=60)
+        status = json.loads(shown.stdout)["runs"][0]["status"]
+        if status.startswith("finished") or time.monotonic() > deadline:
+            return status
+        time.sleep(1)
+
+
+def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, tmp_path):
+    proc = flwr_run(flwr_env, {"algo": "fedprx", "results-dir": str(tmp_path)}, timeout=180)
+    out = proc.stdout + proc.stderr
+    wanted = ("Simulation stopped: [fedaccel] invalid run config: algo='fedprx': allowed: fedacg, "
+              "fedadam, fedavg")
+    log = run_log(flwr_env, out, wanted)
+    assert wanted in log and "(did you mean 'fedprox'?)" in log
+    assert "Traceback" not in log
+    run_id = re.search(r"run_id `(\d+)`|started run (\d+)", out)
+    assert run_status(flwr_env, run_id.group(1) or run_id.group(2)) == "finished:failed"
+    assert not (tmp_path / "fedprx").exists()

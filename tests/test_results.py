@@ -119,7 +119,9 @@ def test_recorder_writes_four_files(tmp_path, capsys):
     assert "accg" not in out[2]
 
     summary = rec.finish()
-    assert capsys.readouterr().out.strip() == f"[fedaccel] results written to {run_dir.resolve()}"
+    assert capsys.readouterr().out.strip() == (
+        f"[fedaccel] results written to {run_dir.resolve()} "
+        "(metrics.jsonl, summary.json, curves.png, config.json)")
 
     for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png"):
         assert (run_dir / name).is_file(), name

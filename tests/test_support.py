@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedaccel import support
+from fedaccel.config import ConfigError
 from fedaccel.local_run import fuse, project_dir, run_local
 from fedaccel.registry import algorithm_names
 
@@ -56,7 +57,7 @@ def test_the_table_has_both_kinds_of_cells():
 def test_refused_cells_stop_the_fast_runner_with_the_reason(tmp_path, algo, mode, policy):
     cfg = support.combination(algo, mode, policy)
     cfg["results-dir"] = str(tmp_path)
-    with pytest.raises(SystemExit, match=rf"gc.mode='{mode}': is refused with algo='{algo}'"):
+    with pytest.raises(ConfigError, match=rf"gc.mode='{mode}': is refused with algo='{algo}'"):
         run_local(cfg, num_clients=4, quiet=True)
     assert not any(Path(tmp_path).iterdir())  # nothing was written
 

@@ -1,0 +1,166 @@
+"""Every mistake a user can make on the fast runner's command line gets one
+plain line on stderr and the documented exit code (``fedaccel-run --help``):
+2 for the command or the config, 3 for the machine or the data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.local_run import default_run_config, fuse, main
+
+SMALL = ["num-server-rounds=1", "clients-per-round=2", "local-epochs=1", "accl-every=0",
+         "synthetic.max-samples=60", "--num-clients", "3"]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fedaccel-run: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,code,wanted", [
+    (["algo='fedprx'"], 2, "algo='fedprx': allowed: fedacg"),
+    (["algo='fedprx'"], 2, "(did you mean 'fedprox'?)"),
+    (["lerning-rate=0.1"], 2, "unknown run-config key(s) lerning-rate"),
+    (["lr"], 2, "expected key=value, got 'lr'"),
+    (["--run-config", "algo='fedavg' lr"], 2, "--run-config: 'lr' is not key=value"),
+    (["--run-config", "algo=fedavg"], 2, "algo=fedavg is not a TOML value: quote strings (algo='fedavg')"),
+    (["--run-config", "algo='fedavg"], 2, "--run-config: "),
+    (["clients-per-round=2.0"], 2, "a float is a fraction of the clients and must be in (0, 1]; for a "
+                                   "count of clients write a whole number without a decimal point (e.g. 2)"),
+    (["clients-per-round=0"], 2, "an integer is a count of clients and must be >= 1"),
+    (["algo='fedavg'", "fedprox.mu=0.5"], 2,
+     "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
+    (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
+])
+def test_config_mistakes_get_one_line_and_exit_2(tmp_path, capsys, args, code, wanted):
+    got, out, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL, *args)
+    assert got == code
+    assert wanted in one_error_line(err)
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
+@pytest.mark.parametrize("text,wanted", [
+    ("algo: [fedavg\n", "not valid YAML at line 2, column 1"),
+    ("- algo\n- lr\n", "must hold a mapping of run-config keys (key: value lines), not a list"),
+    ("algo: fedavg\n\tlr: 0.1\n", "not valid YAML at line 2"),
+])
+def test_malformed_yaml_files(tmp_path, capsys, text, wanted):
+    study = tmp_path / "study.yaml"
+    study.write_text(text)
+    code, _, err = run_cli(capsys, "--config", str(study), f"results-dir='{tmp_path / 'out'}'", *SMALL)
+    assert code == 2 and wanted in one_error_line(err)
+
+
+def test_results_dir_that_is_a_file_is_exit_3(tmp_path, capsys):
+    blocker = tmp_path / "results"
+    blocker.write_text("not a folder")
+    code, _, err = run_cli(capsys, f"results-dir='{blocker}'", *SMALL)
+    line = one_error_line(err)
+    assert code == 3 and f"results-dir='{blocker}': cannot write the run folder" in line
+    assert "set results-dir to a writable folder" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_results_dir_is_exit_3(tmp_path, capsys):  # pragma: no cover - CI runs as root
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = run_cli(capsys, f"results-dir='{locked}'", *SMALL)
+    finally:
+        locked.chmod(0o700)
+    assert code == 3 and "Permission denied" in one_error_line(err)
+
+
+def test_other_algorithms_defaults_are_not_refused():
+    """The run config always holds every algorithm's keys; at their defaults they are fine."""
+    cfg = fuse(default_run_config(), {"algo": "fedavg", "fedprox.mu": default_run_config()["fedprox.mu"]})
+    assert parse_run_config(cfg).algo == "fedavg"
+    with pytest.raises(ConfigError, match="feddyn.alpha=0.01: is a hyperparameter of algo='feddyn'"):
+        parse_run_config(fuse(default_run_config(), {"algo": "fedprox", "feddyn.alpha": 0.01}))
+
+
+def test_clients_per_round_int_is_a_count_float_a_fraction():
+    base = default_run_config()
+    assert parse_run_config(fuse(base, {"clients-per-round": 1})).cohort_size(10) == 1
+    assert parse_run_config(fuse(base, {"clients-per-round": 1.0})).cohort_size(10) == 10
+    assert parse_run_config(fuse(base, {"clients-per-round": 0.25})).cohort_size(10) == 2  # round(2.5) = 2
+    assert parse_run_config(fuse(base, {"clients-per-round": 4})).cohort_size(10) == 4
+
+
+def test_quiet_still_prints_where_the_results_are(tmp_path, capsys):
+    code, out, err = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='q'", "--quiet", *SMALL)
+    assert code == 0, err
+    assert out.strip().splitlines() == [
+        f"[fedaccel] results written to {(tmp_path / 'q').resolve()} "
+        "(metrics.jsonl, summary.json, curves.png, config.json, final_model.npz)"]
+    assert (tmp_path / "q" / "final_model.npz").is_file()
+
+
+def test_flower_log_is_plain_when_not_a_terminal(tmp_path, monkeypatch):
+    """Under pytest stderr is no terminal: Flower's console handler writes no
+    ANSI colour codes during the run, and is back to Flower's default after."""
+    import apps.server_app
+    from flwr.common.logger import console_handler
+
+    seen = []
+    original = apps.server_app.run_experiment
+
+    def spy(grid, run_config):
+        seen.append(console_handler.colored)
+        return original(grid, run_config)
+
+    monkeypatch.setattr(apps.server_app, "run_experiment", spy)
+    assert main([f"results-dir='{tmp_path}'", "--quiet", *SMALL]) == 0
+    assert seen == [False]
+    assert console_handler.colored is True
+
+
+def test_piped_error_is_one_plain_line(tmp_path):
+    """The real console script, stderr to a pipe: one line, no ANSI codes, exit 2."""
+    exe = Path(sys.executable).parent / "fedaccel-run"
+    proc = subprocess.run([str(exe), "algo='nope'", f"results-dir='{tmp_path}'"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == ("fedaccel-run: error: invalid run config: algo='nope': allowed: "
+                           + ", ".join(__import__("fedaccel.registry", fromlist=["x"]).algorithm_names())
+                           + "\n")
+    assert "\x1b[" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("entity", ["ServerApp", "Simulation"])
+def test_flower_logs_a_user_error_as_one_line(entity):
+    """What Flower logs when the ServerApp raises: on a SuperLink ("ServerApp
+    raised an exception") and under Ray ("Simulation ..."), with exc_info."""
+    import logging
+
+    from apps.server_app import OneLineUserErrors
+
+    def record(err: BaseException) -> logging.LogRecord:
+        try:
+            raise err
+        except BaseException:  # noqa: BLE001 - we want its exc_info
+            return logging.LogRecord("flwr", logging.ERROR, __file__, 1, "%s raised an exception",
+                                     (entity,), sys.exc_info())
+
+    user = record(ConfigError("invalid run config: lr=-1: must be > 0"))
+    assert OneLineUserErrors().filter(user)
+    assert user.getMessage() == f"{entity} stopped: [fedaccel] invalid run config: lr=-1: must be > 0"
+    assert user.exc_info is None
+    bug = record(KeyError("arrays"))
+    assert OneLineUserErrors().filter(bug)
+    assert bug.getMessage() == f"{entity} raised an exception" and bug.exc_info is not None
