@@ -37,8 +37,8 @@ i.e. a round of 10 clients costs about 1.1 s (FedAvg), 6 s (LocalNewton) and 8 s
 (FedPM; 13 s with all samples), on top of ~4 s per server evaluation and ~16 s start-up
 per run. The client side is FOOF matrices at the start (and, for FedPM's upload, the end)
 of local training and a float64 Cholesky solve with fc1's 1569x1569 factor every step.
-Hence 30 rounds and 64 FOOF samples: the default grid (2 alphas x 6 methods x 2 seeds =
-24 runs, ~55 process-minutes) is estimated at 25-30 minutes with ``--jobs 2`` on 2 idle
+Hence 30 rounds and 64 FOOF samples: the default grid (2 alphas x 7 methods x 2 seeds =
+28 runs, ~55 process-minutes) is estimated at 25-30 minutes with ``--jobs 2`` on 2 idle
 cores.
 
 Learning rates and method settings are in ``METHODS`` (one lr per method, the same at
