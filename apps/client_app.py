@@ -6,6 +6,14 @@ ACCL), ``query`` tells the server which data partition this node holds.
 Config, dataset, model and solver are built once per process and run, and
 shared by the clients it simulates; each client's data tensors are built
 once (:func:`_shared`, :func:`_runtime`).
+
+An error the user can fix on this node (``USER_ERRORS``: a missing or
+corrupted data file, a bad node config, a model that does not fit the data)
+makes ``train`` and ``evaluate`` reply with a Flower error whose reason is one
+line naming the node and the cause (:func:`user_error_reply`); the server logs
+it and goes on with the other clients. Any other exception is a bug and is
+raised as before: Flower logs its traceback on this node and replies with an
+error itself.
 """
 
 from __future__ import annotations
@@ -14,16 +22,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 from functools import lru_cache
+from logging import DEBUG, INFO
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
 
 from clients.base import LocalSolver, TrainData
 from clients.state import choose_backend, open_client_state
 from fedaccel.arrays import load_into
 from fedaccel.config import RunConfig, config_error, parse_run_config
+from fedaccel.errors import USER_ERRORS
 from fedaccel.runtime import build_model_for, data_config_for, load_data
 from fedaccel.torch_utils import evaluate as evaluate_model, seeded_generator, select_device
 
@@ -176,8 +188,47 @@ def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:
     return dict(config)
 
 
+def node_label(context: Context) -> str:
+    """``node <node id> (partition <partition-id>)``, as the server's log shows it."""
+    return f"node {context.node_id} (partition {context.node_config.get('partition-id', '?')})"
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (a message that spans lines keeps its words)."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip()) or "no reason given"
+
+
+_REPORTED: set[str] = set()  # reasons this process has logged (once each at INFO)
+
+
+def user_error_reply(msg: Message, context: Context, err: BaseException) -> Message:
+    """The error reply for a user error: ``node 123 (partition 4): <cause>``.
+
+    Flower's code for an exception in the ClientApp, so the server treats it as
+    it treats a raised exception, but with a reason the user can act on and no
+    traceback. Also logged on this node (at INFO once per distinct reason).
+    """
+    reason = f"{node_label(context)}: {one_line(str(err))}"
+    log(DEBUG if reason in _REPORTED else INFO, "[fedaccel] %s failed: %s", msg.metadata.message_type, reason)
+    _REPORTED.add(reason)
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    """Local training; a user error becomes an error reply (:func:`user_error_reply`).
+
+    Nothing of a failed round is committed: the solver seals a new state
+    version only after training succeeded, and an unsealed version is dropped
+    when the client next trains (clients/state.py).
+    """
+    try:
+        return _train(msg, context)
+    except USER_ERRORS as err:
+        return user_error_reply(msg, context, err)
+
+
+def _train(msg: Message, context: Context) -> Message:
     """Local training with the algorithm's solver; replies weights + metrics."""
     rt = client_runtime(context)
     config = _load_global(rt, msg)
@@ -195,6 +246,14 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    """Local evaluation; a user error becomes an error reply (:func:`user_error_reply`)."""
+    try:
+        return _evaluate(msg, context)
+    except USER_ERRORS as err:
+        return user_error_reply(msg, context, err)
+
+
+def _evaluate(msg: Message, context: Context) -> Message:
     """Accuracy of the received global model on this client's local test split."""
     rt = client_runtime(context)
     _load_global(rt, msg)

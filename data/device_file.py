@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,9 @@ DATASET_SPECS: dict[str, tuple[tuple[int, ...], int, bool]] = {
 }
 
 
+ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty or not)
+
+
 def load_device_file(path: str, dataset: str, local_test_fraction: float, seed: int) -> ClientData:
     """Read and check a device's ``.npz``; split it into train and local test."""
     file = Path(path).expanduser()
@@ -40,10 +45,24 @@ def load_device_file(path: str, dataset: str, local_test_fraction: float, seed: 
         raise DataError(f"data-path={path!r}: no such file on this SuperNode; give an .npz with "
                         "arrays x and y (see docs/deployment.md)")
     try:
-        with np.load(file) as npz:
+        with open(file, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise DataError(f"data-path={path!r} cannot be read ({err.strerror or err})") from None
+    if head not in ZIP_SIGNATURES:  # np.load would try it as .npy or as a pickle
+        what = ("is empty" if not head else "is an .npy file" if head == b"\x93NUM"
+                else "is not an .npz file (no zip signature): corrupted or of another format")
+        raise DataError(f"data-path={path!r} {what}; give an .npz with arrays x and y "
+                        "(np.savez, see docs/deployment.md)")
+    try:
+        with np.load(file, allow_pickle=False) as npz:
             if "x" not in npz.files or "y" not in npz.files:
                 raise DataError(f"data-path={path!r} holds {sorted(npz.files)}; it needs arrays 'x' and 'y'")
             x, y = npz["x"], npz["y"]
+    except DataError:
+        raise
+    except (EOFError, zipfile.BadZipFile, zlib.error) as err:  # truncated or damaged ("Bad CRC-32")
+        raise DataError(f"data-path={path!r} is corrupted (truncated or damaged .npz: {err})") from None
     except (OSError, ValueError) as err:
         raise DataError(f"data-path={path!r} is not a readable .npz file ({err})") from None
     shape, classes, _ = DATASET_SPECS[dataset]

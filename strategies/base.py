@@ -15,7 +15,9 @@ Flower's strategies lack:
   sent for training and received back);
 - ACCL: the unweighted mean over clients of the global model's accuracy on
   each client's local test split (FedRKMGC paper, "Evaluation Metrics");
-- a clear stop when every client of a round failed;
+- a client's error reply logged once per run as one line naming the node,
+  its partition and the cause (:meth:`FedAccelStrategy.report_client_errors`),
+  and a clear stop, with those causes, when every client of a round failed;
 - a partition whose SuperNode comes back under a new node id (a restart
   without SuperNode authentication) is followed to the new id
   (:meth:`FedAccelStrategy.follow_restarted_nodes`).
@@ -248,6 +250,9 @@ class FedAccelStrategy:
         # node to go offline (node -> partition id), and nodes that will not be used.
         self._pending_nodes: dict[int, int] = {}
         self._ignored_nodes: set[int] = set()
+        # Error replies seen this run: "node N (partition P): cause" -> the rounds
+        # it came in (logged once each, repeats counted at the end of the run).
+        self.client_errors: dict[str, set[int]] = {}
 
     # ------------------------------------------------------------- hooks
     def sample_cohort(self, server_round: int) -> list[int]:
@@ -415,8 +420,9 @@ class FedAccelStrategy:
         log_.replies = len(ok)
         log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
         log_.bytes_up += sum(_message_bytes(m) for m in ok)
+        new_causes = self.report_client_errors(server_round, replies)
         if not ok:
-            reasons = sorted({_last_line(m.error.reason) for m in replies if m.has_error()})
+            reasons = self.client_error_causes(replies)
             if log_.rejected:
                 reasons.append(f"{log_.rejected} malformed replies rejected")
             if len(replies) < len(log_.sampled):
@@ -428,7 +434,11 @@ class FedAccelStrategy:
                 f"({reasons or 'no reply before the timeout'})"
             )
         if log_.failures:
-            log(WARNING, "round %s: %s of %s sampled clients failed, were rejected or did not "
+            errors = sum(m.has_error() for m in replies)
+            # a round whose only failures are errors already reported: no new warning
+            known = errors == log_.failures and not new_causes
+            log(INFO if known else WARNING,
+                "round %s: %s of %s sampled clients failed, were rejected or did not "
                 "reply in time; aggregating the other %s", server_round, log_.failures,
                 len(log_.sampled), len(ok))
         pid_of = self.federation.partition_of_node
@@ -472,10 +482,72 @@ class FedAccelStrategy:
         return super().configure_evaluate(server_round, arrays, config, view)  # type: ignore[misc]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        metrics = super().aggregate_evaluate(server_round, self._ordered(replies))  # type: ignore[misc]
+        replies = self._ordered(replies)
+        self.report_client_errors(server_round, replies, " (evaluate)")
+        # error replies are reported above, once per cause; Flower's FedAvg would
+        # log each one's full reason again every ACCL round
+        ok = [m for m in replies if not m.has_error()]
+        metrics = super().aggregate_evaluate(server_round, ok)  # type: ignore[misc]
         if metrics is not None and "accl" in metrics:
             self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
+        if server_round == self.run_cfg.num_server_rounds:  # Flower's last hook of a run
+            self.report_repeated_client_errors()
         return metrics
+
+    # ------------------------------------------------------ failed replies
+    def client_error(self, reply: Message) -> tuple[str, str]:
+        """``(who, cause)`` of an error reply; ``who`` is ``node N (partition P)``.
+
+        The ClientApp's replies for user errors read ``node N (partition P):
+        cause`` (apps/client_app.py); for any other error (an exception Flower
+        turned into a reply, with a traceback on the node) the cause is the
+        reason's last line and the partition is the one the server knows.
+        """
+        node = reply.metadata.src_node_id
+        text = _last_line(reply.error.reason)
+        if text.startswith(f"node {node} (partition ") and "): " in text:
+            who, cause = text.split("): ", 1)
+            return who + ")", cause
+        return f"node {node} (partition {self.federation.partition_of_node.get(node, '?')})", text
+
+    def report_client_errors(self, server_round: int, replies: list[Message], phase: str = "") -> int:
+        """Log each error reply's node and cause at WARNING, once per run for
+        each distinct line (the rounds it recurs in are kept in
+        :attr:`client_errors`); returns how many lines were new."""
+        new = 0
+        for m in replies:
+            if not m.has_error():
+                continue
+            line = ": ".join(self.client_error(m))
+            if line not in self.client_errors:
+                new += 1
+                log(WARNING, "[fedaccel] client failed in round %s%s: %s", server_round, phase, line)
+            self.client_errors.setdefault(line, set()).add(server_round)
+        return new
+
+    def client_error_causes(self, replies: list[Message], most: int = 5) -> list[str]:
+        """The distinct causes of the error replies, each with the clients it
+        hit (``node N (partition P) and 2 other clients: cause``), at most ``most``."""
+        by_cause: dict[str, list[str]] = {}
+        for m in replies:
+            if m.has_error():
+                who, cause = self.client_error(m)
+                by_cause.setdefault(cause, []).append(who)
+        out = []
+        for cause, whos in by_cause.items():
+            others = len(whos) - 1
+            who = whos[0] if not others else f"{whos[0]} and {others} other client{'s' * (others > 1)}"
+            out.append(f"{who}: {cause}")
+        if len(out) > most:
+            out = out[:most] + [f"{len(out) - most} other causes (see the warnings above)"]
+        return out
+
+    def report_repeated_client_errors(self) -> None:
+        """At the end of a run: in how many rounds each reported client error recurred."""
+        for line, rounds in self.client_errors.items():
+            if len(rounds) > 1:
+                log(WARNING, "[fedaccel] client failed in %s of %s rounds (reported once above, "
+                    "first in round %s): %s", len(rounds), self.run_cfg.num_server_rounds, min(rounds), line)
 
     def reply_problem(self, reply: Message) -> str | None:
         """Why a training reply must not be aggregated, or None if it is sound.
