@@ -18,13 +18,14 @@ from collections.abc import Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedaccel.torch_utils import derive_seed
 
-CLIENT_APP_RAISED_EXCEPTION = 4  # Flower's error code for a ClientApp exception
+CLIENT_APP_RAISED_EXCEPTION = ErrorCode.CLIENT_APP_RAISED_EXCEPTION  # 2, as Flower's engines reply
 SUPERLINK_NODE_ID = 1  # the server's node id, as in Flower
 
 
