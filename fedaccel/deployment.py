@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.supernodes} SuperNode(s) with registered ECDSA keys")
         deployment.start(args.supernodes)
         proc = deployment.run_async(args.run_config)
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             print(line, end="")
         code = proc.wait()
     print(f"[deploy] stopped the SuperLink and {args.supernodes} SuperNode(s); "

@@ -299,6 +299,13 @@ class FedAccelStrategy:
         """The model of round 1, given the seeded initial model (hook)."""
         return arrays
 
+    def sent_model(self) -> ArrayRecord:
+        """The global model this round's training messages carried."""
+        if self.global_arrays is None:
+            raise RuntimeError(f"{type(self).__name__}: no model was sent yet "
+                               "(aggregate_train before configure_train)")
+        return self.global_arrays
+
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Aggregate the valid replies into one model, *before* any server step
         (hook; default: Flower's FedAvg example-weighted mean, computed on

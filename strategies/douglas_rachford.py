@@ -74,8 +74,7 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
         """``mean_i xhat_i + (1/n) sum g_i``. The mean of the ``xhat_i`` before
         the round is the model that was sent, except in the first aggregation
         with ``init='zeros'``: the model sent was x0, the ``xhat_i`` are zero."""
-        assert self.global_arrays is not None
-        x = record_to_numpy(self.global_arrays)
+        x = record_to_numpy(self.sent_model())
         if not self.aggregated and self.run_cfg.algo_params.init == "zeros":
             x = {k: np.zeros_like(v) for k, v in x.items()}
         self.aggregated = True

@@ -65,8 +65,7 @@ class FedDynStrategy(FedAccelStrategy, FedAvg):
         self.h: dict[str, np.ndarray] | None = None
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        assert self.global_arrays is not None
-        theta = {k: v.astype(np.float64) for k, v in record_to_numpy(self.global_arrays).items()}
+        theta = {k: v.astype(np.float64) for k, v in record_to_numpy(self.sent_model()).items()}
         if self.h is None:
             self.h = {k: np.zeros_like(v) for k, v in theta.items()}
         models = [record_to_numpy(r.content["arrays"]) for r in replies]

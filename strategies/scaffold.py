@@ -68,14 +68,14 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
 
     def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
         """The server control variate ``c`` (zero at the start), sent to every client."""
-        assert self.global_arrays is not None
         if self.c is None:
-            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.global_arrays).items()}
+            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.sent_model()).items()}
         return {C_RECORD: control_variate_record(self.c)}
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The plain mean of the ``y_i``; also the control-variate step (line 17)."""
-        assert self.global_arrays is not None and self.c is not None
+        if self.c is None:
+            raise RuntimeError("SCAFFOLD: combine before the control variate c was sent")
         mean_y = plain_mean(replies)
         dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
         for reply in replies:
