@@ -34,7 +34,8 @@ from flwr.common.constant import ErrorCode
 from clients.base import LocalSolver, TrainData
 from clients.state import choose_backend, open_client_state
 from fedaccel.arrays import load_into
-from fedaccel.config import RunConfig, config_error, parse_run_config
+from fedaccel.config import RunConfig, config_error
+from fedaccel.run_config import parse_run_config
 from fedaccel.errors import USER_ERRORS
 from fedaccel.runtime import build_model_for, data_config_for, load_data
 from fedaccel.torch_utils import evaluate as evaluate_model, seeded_generator, select_device

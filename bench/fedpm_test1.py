@@ -129,7 +129,7 @@ def run_method(algo: str, overrides: dict, shards, start: dict, rounds: int,
     import apps.client_app as client_module
     from apps.client_app import ClientRuntime
     from clients.base import TrainData
-    from fedaccel.config import parse_run_config
+    from fedaccel.run_config import parse_run_config
     from fedaccel.local_grid import LocalGrid
     from fedaccel.local_run import default_run_config, fuse
     from fedaccel.registry import get_algorithm

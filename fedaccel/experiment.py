@@ -182,7 +182,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
 
     ``FEDACCEL_QUIET=1`` in the environment silences the per-round lines.
     """
-    from fedaccel.config import parse_run_config
+    from fedaccel.run_config import parse_run_config
 
     cfg = parse_run_config(run_config)
     run_dir = writable_run_dir(cfg)  # a results folder that cannot be written fails now, not at the end

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import sys
 
-from fedaccel.config import GC_MODES, ConfigError, parse_run_config
+from fedaccel.config import GC_MODES, ConfigError
+
+from fedaccel.run_config import parse_run_config
 from fedaccel.registry import algorithm_names
 
 POLICIES = ("drop", "partial")

@@ -39,7 +39,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.fedacg import FedACGSolver
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 
 WEIGHTINGS = ("examples", "uniform")

@@ -12,7 +12,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients.fedavg import FedAvgSolver
 from fedaccel.config import RunConfig
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from clients.douglas_rachford import DouglasRachfordSolver
 from fedaccel.config import RunConfig
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import Federation
 from strategies.douglas_rachford import DOUGLAS_RACHFORD_GLOBAL_GC, DouglasRachfordParams, DouglasRachfordStrategy
 

@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import FedAvg
 from clients.feddyn import FedDynSolver
 from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.server_steps import numpy_to_record, reply_metrics
 

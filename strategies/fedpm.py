@@ -25,7 +25,7 @@ from clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_cli
 from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import RoundFailedError
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.preconditioned_mixing import preconditioned_mix
 

@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedProx
 
 from clients.fedprox import FedProxSolver
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 
 

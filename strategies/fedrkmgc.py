@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients.fedrkmgc import VARIANTS, FedRKMGCSolver, variant_components
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.server_steps import RelaxedAggregation, numpy_to_record, plain_mean, reply_metrics
 

@@ -33,7 +33,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from clients.fedavg import FedAvgSolver
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.fedacg import WEIGHTINGS, mean_of_replies
 

@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from clients.fedpm import LocalNewtonSolver, SecondOrderParams
 from fedaccel.config import RunConfig
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.fedpm import check_exact_mode
 

@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 from clients.scaffold import C_RECORD, CV_UPDATES, DC_RECORD, ScaffoldSolver, control_variate_record
 from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
-from fedaccel.registry import AlgorithmSpec
+from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
 from strategies.server_steps import numpy_to_record, plain_mean, reply_metrics
 

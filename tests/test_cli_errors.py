@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, main
 
 SMALL = ["num-server-rounds=1", "clients-per-round=2", "local-epochs=1", "accl-every=0",

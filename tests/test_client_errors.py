@@ -24,7 +24,7 @@ from apps.server_app import app as server_app
 from data import DataConfig, DataError
 from data.device_file import export_partition
 from fakes import StubGrid
-from fedaccel.config import parse_run_config
+from fedaccel.run_config import parse_run_config
 from fedaccel.errors import RoundFailedError
 from fedaccel.experiment import run_experiment
 from fedaccel.local_grid import LocalGrid

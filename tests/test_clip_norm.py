@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from clients.base import LocalSolver, TrainData
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import algorithm_names, get_algorithm
 

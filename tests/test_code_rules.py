@@ -21,3 +21,19 @@ def test_no_bare_assert_in_production_code():
              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
              if isinstance(node, ast.Assert)]
     assert production_files() and found == []
+
+
+def test_layers_import_only_downward():
+    """pyproject's [tool.importlinter] layers hold (entry points > runtime >
+    run-config reading > registry > algorithms > shared machinery > config
+    schema > core); the known knots are listed there as ignored imports."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "lint-imports"
+    assert exe.is_file() or shutil.which("lint-imports"), "pip install -e '.[dev]' (import-linter)"
+    proc = subprocess.run([str(exe) if exe.is_file() else "lint-imports", "--config", str(ROOT / "pyproject.toml")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout

@@ -12,7 +12,9 @@ import re
 
 import pytest
 
-from fedaccel.config import ConfigError, RunConfig, parse_run_config
+from fedaccel.config import ConfigError, RunConfig
+
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, parse_overrides
 from fedaccel.registry import algorithm_names, get_algorithm
 

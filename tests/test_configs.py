@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedaccel.config import parse_run_config
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, parse_overrides, run_local
 
 ROOT = Path(__file__).resolve().parents[1]

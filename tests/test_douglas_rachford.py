@@ -31,7 +31,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
 from clients.base import TrainData
 from clients.state import ContextState
-from fedaccel.config import parse_run_config
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fakes import StubGrid, heterogeneous_least_squares, quadratic_local_steps
 from fedaccel.registry import get_algorithm

@@ -14,7 +14,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from clients.fedacg import FedACGSolver
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm
 from strategies.base import Federation

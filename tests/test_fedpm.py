@@ -19,7 +19,8 @@ from torch import nn
 from clients import foof
 from clients.base import LocalSolver, TrainData
 from clients.fedpm import PRECOND_KEY, FedPMSolver, LocalNewtonSolver, logreg_hessian, with_bias_column
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.torch_utils import payload_bytes
 from models import LogReg

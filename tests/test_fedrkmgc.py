@@ -27,7 +27,8 @@ from clients.fedrkmgc import (
     km_coefficients, km_update, paper_round_index, raw_correction, variant_components,
 )
 from clients.state import ContextState
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
 from strategies.base import FedAccelStrategy, Federation

@@ -16,7 +16,8 @@ from clients.gradient_centralization import (
     centralize, gc_partition, global_gc_update, in_layers, local_gc_split,
 )
 from fedaccel.composition import client_gradient_transforms, server_update_transforms
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm
 from models import build_model

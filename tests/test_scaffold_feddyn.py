@@ -28,7 +28,8 @@ from clients.scaffold import (
     option_ii_control_variate, received_control_variate,
 )
 from clients.state import ContextState
-from fedaccel.config import ConfigError, parse_run_config
+from fedaccel.config import ConfigError
+from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
 from fedaccel.torch_utils import payload_bytes

@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
 from apps.client_app import app as client_app
 from clients.state import ContextState, DiskState, VersionedState, state_run_dir
-from fedaccel.config import parse_run_config
+from fedaccel.run_config import parse_run_config
 from fedaccel.experiment import Experiment, discover_federation
 from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
 from fedaccel.local_run import default_run_config, fuse

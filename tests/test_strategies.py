@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRec
 
 from clients.base import TrainData
 from clients.fedprox import FedProxSolver
-from fedaccel.config import parse_run_config
+from fedaccel.run_config import parse_run_config
 from fedaccel.errors import RoundFailedError
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm

@@ -1,0 +1,233 @@
+"""Read and validate a Flower run config into the typed :class:`RunConfig`.
+
+Flower hands both apps a flat ``run_config`` dict (nested TOML tables arrive
+as dotted keys such as ``fedprox.mu``). :func:`parse_run_config` turns it into
+a frozen :class:`~fedaccel.config.RunConfig`, checking every value once, on
+the server and on every client, so a bad value is one clear line naming the
+key, the value and what is allowed instead of a traceback from deep inside
+training. It knows every algorithm (through the registry), every dataset and
+every model, so it sits above them; the schema it fills is
+:mod:`fedaccel.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
+from clients.state import CLIENT_STATES
+from data import DATASETS, PARTITIONS
+from fedaccel.config import (
+    DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, display_value, config_error,
+    did_you_mean, parse_algo_params, require,
+)
+from fedaccel.registry import algorithm_names, get_algorithm
+from fedaccel.samplers import SAMPLERS
+from models import MODELS
+
+
+def _number(cfg: Mapping[str, Any], key: str) -> float:
+    value = cfg[key]
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value),
+        key, value, "must be a finite number",
+    )
+    return float(value)
+
+
+def _integer(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
+    value = cfg[key]
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    require(ok and value >= minimum, key, value, f"must be an integer >= {minimum}")
+    return int(value)
+
+
+def _positive(cfg: Mapping[str, Any], key: str) -> float:
+    value = _number(cfg, key)
+    require(value > 0, key, cfg[key], "must be > 0 (seconds)")
+    return value
+
+
+def _string(cfg: Mapping[str, Any], key: str, choices: tuple[str, ...] | None = None) -> str:
+    value = cfg[key]
+    require(isinstance(value, str), key, value, "must be a string (quote it: key='value')")
+    if choices is not None:
+        require(value in choices, key, value, f"allowed: {', '.join(choices)}")
+    return value
+
+
+def _boolean(cfg: Mapping[str, Any], key: str) -> bool:
+    value = cfg[key]
+    require(isinstance(value, bool), key, value, "must be true or false")
+    return value
+
+
+
+def _refuse_other_algorithms_keys(cfg: Mapping[str, Any], algo: str) -> None:
+    """Refuse a hyperparameter of another algorithm set away from its default.
+
+    The run config always holds every algorithm's keys (pyproject's defaults),
+    so a key is the user's only when its value differs from the default:
+    ``fedprox.mu=0.5`` with ``algo='fedavg'`` would be ignored, silently.
+    """
+
+    mine = get_algorithm(algo).prefix
+    for other in algorithm_names():
+        spec = get_algorithm(other)
+        if spec.prefix == mine:
+            continue
+        for f in dataclasses.fields(spec.params):
+            key = f"{spec.prefix}.{f.name.replace('_', '-')}"
+            if key in cfg and cfg[key] != f.default:
+                raise config_error(
+                    key, cfg[key], f"is a hyperparameter of algo='{other}', which this run does "
+                    f"not use (algo='{algo}'): remove it, or set algo='{other}'")
+
+
+def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
+    """Validate a Flower run config and return the typed :class:`RunConfig`."""
+
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ConfigError(
+            "run config is missing keys " + ", ".join(missing)
+            + ": run from the project folder (flwr run .) so pyproject.toml supplies them"
+        )
+    algo = _string(cfg, "algo")
+    require(algo in algorithm_names(), "algo", algo,
+            f"allowed: {', '.join(algorithm_names())}{did_you_mean(algo, algorithm_names())}")
+    spec = get_algorithm(algo)
+    _refuse_other_algorithms_keys(cfg, algo)
+
+    cpr = _number(cfg, "clients-per-round")
+    if isinstance(cfg["clients-per-round"], int):
+        require(cpr >= 1, "clients-per-round", cfg["clients-per-round"],
+                "an integer is a count of clients and must be >= 1 (a fraction is a float in (0, 1], e.g. 0.1)")
+    else:
+        require(0 < cpr <= 1, "clients-per-round", cfg["clients-per-round"],
+                "a float is a fraction of the clients and must be in (0, 1]; for a count of "
+                f"clients write a whole number without a decimal point (e.g. {max(1, int(cpr))})")
+    alpha = _number(cfg, "dirichlet-alpha")
+    require(alpha > 0, "dirichlet-alpha", cfg["dirichlet-alpha"], "must be > 0 (smaller = more heterogeneous)")
+    lr = _number(cfg, "lr")
+    require(lr > 0, "lr", cfg["lr"], "must be > 0")
+    momentum = _number(cfg, "momentum")
+    require(0 <= momentum < 1, "momentum", cfg["momentum"], "must be in [0, 1)")
+    wd = _number(cfg, "weight-decay")
+    require(wd >= 0, "weight-decay", cfg["weight-decay"], "must be >= 0")
+    target = _number(cfg, "target-accuracy")
+    require(0 <= target <= 1, "target-accuracy", cfg["target-accuracy"],
+            "must be a fraction in [0, 1] (e.g. 0.8 for 80%)")
+    ltf = _number(cfg, "local-test-fraction")
+    require(0 <= ltf < 1, "local-test-fraction", cfg["local-test-fraction"], "must be in [0, 1)")
+    model = _string(cfg, "model", ("auto",) + tuple(MODELS))
+    dataset = _string(cfg, "dataset", tuple(DATASETS))
+    partition = _string(cfg, "partition", tuple(PARTITIONS))
+    run_name = _string(cfg, "run-name")
+    train_samples = _integer(cfg, "train-samples", 0) if "train-samples" in cfg else 0
+    require(dataset != "synthetic" or train_samples == 0, "train-samples", train_samples,
+            "only subsamples image datasets; for dataset 'synthetic' set synthetic.max-samples instead")
+    require("/" not in run_name and run_name not in (".", ".."), "run-name", run_name,
+            "must be a plain folder name without '/'")
+
+    synthetic = SyntheticConfig(
+        alpha=_number(cfg, "synthetic.alpha") if "synthetic.alpha" in cfg else 1.0,
+        beta=_number(cfg, "synthetic.beta") if "synthetic.beta" in cfg else 1.0,
+        iid=_boolean(cfg, "synthetic.iid") if "synthetic.iid" in cfg else False,
+        max_samples=(_integer(cfg, "synthetic.max-samples", 2)
+                     if "synthetic.max-samples" in cfg else 1000),
+        size_mu=_number(cfg, "synthetic.size-mu") if "synthetic.size-mu" in cfg else 4.0,
+        min_samples=(_integer(cfg, "synthetic.min-samples", 1)
+                     if "synthetic.min-samples" in cfg else 50),
+    )
+    require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
+    require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")
+
+
+    straggler_fraction = _number(cfg, "straggler-fraction")
+    require(0 <= straggler_fraction < 1, "straggler-fraction", cfg["straggler-fraction"],
+            "must be in [0, 1): the share of each cohort that does fewer local epochs")
+
+
+    gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
+    gc_default = GCConfig()  # the gc.* defaults when a key is absent (pyproject equal: tests/test_defaults.py)
+    gc = GCConfig(
+        mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
+        lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else gc_default.lam,
+        global_layers=(_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg
+                       else gc_default.global_layers),
+        vectors=_string(cfg, "gc.vectors", VECTOR_RULES) if "gc.vectors" in cfg else gc_default.vectors,
+        weight_decay=(_string(cfg, "gc.weight-decay", WEIGHT_DECAY_RULES)
+                      if "gc.weight-decay" in cfg else gc_default.weight_decay),
+    )
+    require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
+
+    require(not (gc.mode in ("global", "hybrid") and spec.global_gc_refused), "gc.mode", gc.mode,
+            f"is refused with algo='{algo}': {spec.global_gc_refused}; use gc.mode='local' "
+            "or 'local-only' (client-side GC only) or 'none'")
+
+    # clip-norm: a number >= 0 (0 = off) or 'auto' = the algorithm params'
+    # ``default_clip_norm`` (0 when absent); applied by LocalSolver.run_epochs.
+    algo_params = parse_algo_params(spec.params, spec.prefix, cfg)
+    clip_norm = cfg["clip-norm"]
+    if clip_norm == "auto":
+        clip_norm = float(getattr(algo_params, "default_clip_norm", 0.0))
+    else:
+        require(isinstance(clip_norm, (int, float)) and not isinstance(clip_norm, bool)
+                and math.isfinite(clip_norm) and clip_norm >= 0, "clip-norm", clip_norm,
+                "must be a number >= 0 (max gradient norm per local step, 0 = off) or 'auto' "
+                "(the algorithm's default: 1.0 for fedpm/localnewton, 0 otherwise)")
+        clip_norm = float(clip_norm)
+
+    return RunConfig(
+        algo=algo,
+        dataset=dataset,
+        model=model,
+        partition=partition,
+        dirichlet_alpha=alpha,
+        num_server_rounds=_integer(cfg, "num-server-rounds", 1),
+        # Keep TOML's type: 1 is one client, 1.0 is all of them.
+        clients_per_round=cfg["clients-per-round"] if isinstance(cfg["clients-per-round"], int) else cpr,
+        local_epochs=_integer(cfg, "local-epochs", 1),
+        batch_size=_integer(cfg, "batch-size", 1),
+        lr=lr,
+        momentum=momentum,
+        weight_decay=wd,
+        seed=_integer(cfg, "seed", 0),
+        results_dir=_string(cfg, "results-dir"),
+        run_name=run_name,
+        target_accuracy=target,
+        eval_every=_integer(cfg, "eval-every", 1),
+        accl_every=_integer(cfg, "accl-every", 0),
+        local_test_fraction=ltf,
+        data_dir=_string(cfg, "data-dir"),
+        device=_string(cfg, "device", DEVICES),
+        synthetic=synthetic,
+        sampler=_string(cfg, "sampler", SAMPLERS),
+        lr_schedule=_string(cfg, "lr-schedule", ("constant", "step")),
+        straggler_fraction=straggler_fraction,
+        straggler_policy=_string(cfg, "straggler-policy", ("auto", "drop", "partial")),
+        client_state=_string(cfg, "client-state", CLIENT_STATES),
+        state_dir=_string(cfg, "state-dir"),
+        round_timeout=_positive(cfg, "round-timeout"),
+        train_samples=train_samples,
+        clip_norm=clip_norm,
+        algo_params=algo_params,
+        gc=gc,
+        raw=dict(cfg),
+    )
+
+
+_REQUIRED = (
+    "algo", "dataset", "model", "partition", "dirichlet-alpha", "num-server-rounds",
+    "clients-per-round", "local-epochs", "batch-size", "lr", "momentum", "weight-decay",
+    "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
+    "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
+    "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
+    "clip-norm",
+)
