@@ -105,10 +105,11 @@ class RunConfig:
     data_dir: str
     device: str
     synthetic: SyntheticConfig
-    sampler: str = "auto"
+    sampler: str = "auto"  # resolved by the reader: 'auto' becomes the algorithm's default
     lr_schedule: str = "constant"
     straggler_fraction: float = 0.0
-    straggler_policy: str = "auto"
+    straggler_policy: str = "auto"  # resolved by the reader, as ``sampler``
+    stateful_clients: bool = False  # the algorithm's clients keep state between rounds
     client_state: str = "auto"
     state_dir: str = ""
     round_timeout: float = 600.0

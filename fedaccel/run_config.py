@@ -184,6 +184,8 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
                 "(the algorithm's default: 1.0 for fedpm/localnewton, 0 otherwise)")
         clip_norm = float(clip_norm)
 
+    sampler = _string(cfg, "sampler", SAMPLERS)
+    straggler_policy = _string(cfg, "straggler-policy", ("auto", "drop", "partial"))
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -208,10 +210,11 @@ def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
         data_dir=_string(cfg, "data-dir"),
         device=_string(cfg, "device", DEVICES),
         synthetic=synthetic,
-        sampler=_string(cfg, "sampler", SAMPLERS),
+        sampler=spec.default_sampler if sampler == "auto" else sampler,
         lr_schedule=_string(cfg, "lr-schedule", ("constant", "step")),
         straggler_fraction=straggler_fraction,
-        straggler_policy=_string(cfg, "straggler-policy", ("auto", "drop", "partial")),
+        straggler_policy=spec.default_straggler_policy if straggler_policy == "auto" else straggler_policy,
+        stateful_clients=spec.solver.state_copies > 0,
         client_state=_string(cfg, "client-state", CLIENT_STATES),
         state_dir=_string(cfg, "state-dir"),
         round_timeout=_positive(cfg, "round-timeout"),

@@ -230,15 +230,11 @@ class FedAccelStrategy:
         self.run_cfg = run_cfg
         self.federation = federation
         self.cohort_size = run_cfg.cohort_size(federation.num_clients)
-        from fedaccel.registry import get_algorithm
-
-        spec = get_algorithm(run_cfg.algo)
-        self.sampler = spec.default_sampler if run_cfg.sampler == "auto" else run_cfg.sampler
-        self.straggler_policy = (spec.default_straggler_policy if run_cfg.straggler_policy == "auto"
-                                 else run_cfg.straggler_policy)
+        self.sampler = run_cfg.sampler  # 'auto' resolved by the reader (fedaccel.run_config)
+        self.straggler_policy = run_cfg.straggler_policy
         self.rounds: dict[int, RoundLog] = {}
         self.global_arrays: ArrayRecord | None = None  # the model sent this round
-        self.stateful = spec.solver.state_copies > 0
+        self.stateful = run_cfg.stateful_clients
         from fedaccel.composition import server_update_transforms
 
         self.update_transforms = server_update_transforms(run_cfg)  # f(sent, aggregate) -> aggregate
