@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from flwr.app import ArrayRecord
 from flwr.common import log
 
+from clients.composition import client_gradient_transforms
 from clients.state import ClientState
 from fedaccel.config import RunConfig
 
@@ -124,11 +125,9 @@ class LocalSolver:
         """
         from data import random_crop_flip
 
-        from fedaccel.composition import client_gradient_transforms
-
         model.train()
         optimizer = self.make_optimizer(model, lr)
-        composed = client_gradient_transforms(self.cfg, model)
+        composed = client_gradient_transforms(self.cfg, model, optimizer)
         clip_norm = float(getattr(self.cfg, "clip_norm", 0.0))
         params = [p for p in model.parameters() if p.requires_grad]
         n, bs = data.num_examples, self.cfg.batch_size

@@ -58,7 +58,7 @@ gives it: the transform writes ``P g - wd (w - P w)`` into ``p.grad`` so that
 the optimizer's ``+ wd w`` turns it into ``P (g + wd w)``; momentum then
 accumulates centralized steps, as in ``SGD_GC``.
 
-This module is pure (no run config); :mod:`fedaccel.composition` wires it to
+This module is pure (no run config); :mod:`clients.composition` wires it to
 the ``gc.*`` run-config keys so GC composes with every algorithm.
 """
 

@@ -27,7 +27,7 @@ every algorithm: :meth:`FedAccelStrategy.combine` aggregates them into one
 model (default: Flower's FedAvg example-weighted mean, computed by
 :func:`weighted_mean_of_replies` on zero-copy views, bit-identical to
 Flower's ``aggregate_arrayrecords``); the update transforms of
-:mod:`fedaccel.composition` (global GC) edit the aggregated update; then
+:mod:`clients.composition` (global GC) edit the aggregated update; then
 :meth:`FedAccelStrategy.server_step` (momentum, Adam, relaxation, FedACG)
 turns it into the new model. Server optimizers are written as this hook,
 not taken from Flower's ``FedAvgM``/``FedAdam``, because Flower's
@@ -53,6 +53,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from clients.composition import server_update_transforms
 from fedaccel.arrays import from_numpy, numpy_to_record, to_numpy
 from fedaccel.config import RunConfig
 from fedaccel.errors import RoundFailedError
@@ -235,8 +236,6 @@ class FedAccelStrategy:
         self.rounds: dict[int, RoundLog] = {}
         self.global_arrays: ArrayRecord | None = None  # the model sent this round
         self.stateful = run_cfg.stateful_clients
-        from fedaccel.composition import server_update_transforms
-
         self.update_transforms = server_update_transforms(run_cfg)  # f(sent, aggregate) -> aggregate
         # The commit protocol's server half (docs/client-state.md): the last
         # round whose reply of each partition was applied to the server's

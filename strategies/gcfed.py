@@ -4,7 +4,7 @@ Paper: "GC-Fed: Gradient Centralized Federated Learning with Partial Client
 Participation", Seo, Catak, Rong, Hong, Kim, 2025, arXiv:2503.13180.
 
 GC itself is not part of this algorithm's code: it is a layer in
-:mod:`fedaccel.composition` switched on by ``gc.mode`` for *any* algorithm
+:mod:`clients.composition` switched on by ``gc.mode`` for *any* algorithm
 (local GC = client gradient transform, global GC = server update transform;
 clients/gradient_centralization.py). ``gcfed`` only sets the default of
 ``gc.mode='auto'`` to ``hybrid`` (:attr:`GCFedParams.default_gc_mode`), so

@@ -1,6 +1,6 @@
 """Gradient centralization (GC-Fed): the pure functions on hand-computed
 tensors, the lambda split on a known model, the config keys, and GC composed
-with another algorithm (FedProx) through fedaccel.composition."""
+with another algorithm (FedProx) through clients.composition."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from clients.fedprox import FedProxSolver
 from clients.gradient_centralization import (
     centralize, gc_partition, global_gc_update, in_layers, local_gc_split,
 )
-from fedaccel.composition import client_gradient_transforms, server_update_transforms
+from clients.composition import client_gradient_transforms, server_update_transforms
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config
@@ -116,13 +116,22 @@ def test_gc_bad_values(key, value):
     assert key in str(info.value) and "\n" not in str(info.value)
 
 
+def solver_optimizer(cfg, model):
+    """The optimizer the run's local solver would step ``model`` with."""
+    return get_algorithm(cfg.algo).solver(cfg).make_optimizer(model, 1.0)
+
+
+def local_transforms(cfg, model):
+    return client_gradient_transforms(cfg, model, solver_optimizer(cfg, model))
+
+
 def test_composition_lists():
     model = build_model("mlp", (6,), 3)
-    assert client_gradient_transforms(run_cfg("fedprox"), model) == []
+    assert local_transforms(run_cfg("fedprox"), model) == []
     assert server_update_transforms(run_cfg("fedprox")) == []
-    assert len(client_gradient_transforms(run_cfg("fedprox", **{"gc.mode": "local"}), model)) == 1
+    assert len(local_transforms(run_cfg("fedprox", **{"gc.mode": "local"}), model)) == 1
     assert server_update_transforms(run_cfg("fedprox", **{"gc.mode": "local"})) == []
-    assert client_gradient_transforms(run_cfg("fedprox", **{"gc.mode": "global"}), model) == []
+    assert local_transforms(run_cfg("fedprox", **{"gc.mode": "global"}), model) == []
     assert len(server_update_transforms(run_cfg("fedprox", **{"gc.mode": "global"}))) == 1
 
 
@@ -170,7 +179,7 @@ def test_local_gc_runs_after_the_proximal_term():
         model.weight.copy_(torch.tensor([[2.0, 0.0, 4.0], [0.0, 0.0, 6.0]]))
     model.weight.grad = torch.tensor([[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]])
     solver.transform_gradients(model)  # g + 0.5 w = [[2, 1, 3], [0, 3, 3]]
-    for transform in client_gradient_transforms(cfg, model):
+    for transform in local_transforms(cfg, model):
         transform(model)
     torch.testing.assert_close(model.weight.grad, torch.tensor([[0.0, -1.0, 1.0], [-2.0, 1.0, 1.0]]))
 
@@ -275,7 +284,7 @@ def test_local_only_config_and_composition():
     cfg = run_cfg("gcfed", **{"gc.mode": "local-only"})
     assert (cfg.gc.mode, cfg.gc.lam, cfg.gc.global_layers) == ("local-only", 1.0, "fc")
     model = build_model("mlp", (6,), 3)
-    assert len(client_gradient_transforms(cfg, model)) == 1
+    assert len(local_transforms(cfg, model)) == 1
     assert server_update_transforms(cfg) == []
     # client-side only, so allowed where global GC is refused
     assert run_cfg("fedcdr", **{"gc.mode": "local-only"}).gc.mode == "local-only"
@@ -332,7 +341,7 @@ def test_vectors_local_gc_on_a_bias(vectors, bias_grad):
     The weight rows [[1, 3], [2, 2], [0, 4]] lose their means 2, 2, 2 either way."""
     cfg = run_cfg("fedavg", **{"gc.mode": "local", "gc.vectors": vectors})
     model = linear_with_grads([[0.0, 0.0]] * 3, [0.0] * 3, [[1.0, 3.0], [2.0, 2.0], [0.0, 4.0]], [1.0, 2.0, 6.0])
-    for transform in client_gradient_transforms(cfg, model):
+    for transform in local_transforms(cfg, model):
         transform(model)
     torch.testing.assert_close(model.bias.grad, torch.tensor(bias_grad))
     torch.testing.assert_close(model.weight.grad, torch.tensor([[-1.0, 1.0], [0.0, 0.0], [-2.0, 2.0]]))
@@ -382,7 +391,7 @@ def one_sgd_step(mode: str, algo: str = "fedavg", momentum: float = 0.0, steps: 
     with torch.no_grad():
         model.weight.copy_(torch.tensor(W))
     optimizer = get_algorithm(algo).solver(cfg).make_optimizer(model, 1.0)
-    transforms = client_gradient_transforms(cfg, model)
+    transforms = client_gradient_transforms(cfg, model, optimizer)
     for _ in range(steps):
         model.weight.grad = torch.tensor(G)
         for transform in transforms:
@@ -420,18 +429,18 @@ def test_weight_decay_added_by_the_solver_itself_is_not_corrected():
     """FedPM builds its optimizer without decay and adds wd w to p.grad in its
     own transform_gradients (before GC), so the GC transform must not subtract
     anything: on a bare gradient it is P g for both settings."""
-    from fedaccel.composition import optimizer_weight_decay
+    from clients.composition import optimizer_weight_decay
 
     model = torch.nn.Linear(3, 1, bias=False)
-    assert optimizer_weight_decay(run_cfg("fedpm", **{"weight-decay": 0.1}), model) == {}
-    assert optimizer_weight_decay(run_cfg("fedavg", **{"weight-decay": 0.1}), model) == {"weight": 0.1}
-    assert optimizer_weight_decay(run_cfg("fedavg", **{"weight-decay": 0.0}), model) == {}
+    assert optimizer_weight_decay(solver_optimizer(run_cfg("fedpm", **{"weight-decay": 0.1}), model), model) == {}
+    assert optimizer_weight_decay(solver_optimizer(run_cfg("fedavg", **{"weight-decay": 0.1}), model), model) == {"weight": 0.1}
+    assert optimizer_weight_decay(solver_optimizer(run_cfg("fedavg", **{"weight-decay": 0.0}), model), model) == {}
     for algo, expected in (("fedpm", [[0.0, -1.0, 1.0]]), ("fedavg", [[-0.3, -1.3, 0.7]])):
         cfg = run_cfg(algo, **{"gc.mode": "local", "weight-decay": 0.1})
         with torch.no_grad():
             model.weight.copy_(torch.tensor(W))
         model.weight.grad = torch.tensor(G)
-        for transform in client_gradient_transforms(cfg, model):
+        for transform in local_transforms(cfg, model):
             transform(model)
         # fedavg: P g - wd (w - P w) = [0, -1, 1] - 0.1 * [3, 3, 3]
         torch.testing.assert_close(model.weight.grad, torch.tensor(expected))

@@ -29,41 +29,38 @@ from typing import Callable
 import torch
 from flwr.app import ArrayRecord
 
+from clients.gradient_centralization import gc_partition, global_gc_transform, local_gc_transform
 from fedaccel.config import RunConfig
 
 GradientTransform = Callable[[torch.nn.Module], None]
 UpdateTransform = Callable[[ArrayRecord, ArrayRecord], ArrayRecord]
 
 
-def client_gradient_transforms(cfg: RunConfig, model: torch.nn.Module) -> list[GradientTransform]:
-    """Gradient transforms for this run's local steps (local GC)."""
-    from clients.gradient_centralization import gc_partition, local_gc_transform
-
+def client_gradient_transforms(cfg: RunConfig, model: torch.nn.Module,
+                               optimizer: torch.optim.Optimizer) -> list[GradientTransform]:
+    """Gradient transforms for this run's local steps (local GC); ``optimizer``
+    is the one the solver steps with (its weight decay matters, see
+    :func:`optimizer_weight_decay`)."""
     out: list[GradientTransform] = []
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode != "none":
         local, _ = gc_partition(gc.mode, list(model.named_parameters()), gc.lam, gc.global_layers)
         if local:
-            decay = optimizer_weight_decay(cfg, model) if gc.weight_decay == "centralized" else None
+            decay = optimizer_weight_decay(optimizer, model) if gc.weight_decay == "centralized" else None
             out.append(local_gc_transform(model, local, gc.vectors, decay))
     return out
 
 
-def optimizer_weight_decay(cfg: RunConfig, model: torch.nn.Module) -> dict[str, float]:
-    """Per tensor name, the weight decay this run's optimizer adds to ``p.grad``
+def optimizer_weight_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+    """Per tensor name, the weight decay ``optimizer`` adds to ``p.grad``
     inside ``optimizer.step()``, i.e. after the gradient transforms.
 
-    Asked of the algorithm's own ``make_optimizer`` (its param groups), not
-    read from ``weight-decay``: a solver may build its optimizer without decay
-    and add the decay to ``p.grad`` itself before the transforms (FedPM does,
-    to precondition it), in which case GC already sees it and nothing is to be
+    Read from the optimizer the solver built (its param groups), not from
+    ``weight-decay``: a solver may build its optimizer without decay and add
+    the decay to ``p.grad`` itself before the transforms (FedPM does, to
+    precondition it), in which case GC already sees it and nothing is to be
     corrected (an empty dict).
     """
-    if not cfg.weight_decay:
-        return {}
-    from fedaccel.registry import get_algorithm
-
-    optimizer = get_algorithm(cfg.algo).solver(cfg).make_optimizer(model, 1.0)
     by_id = {id(p): float(group.get("weight_decay", 0.0))
              for group in optimizer.param_groups for p in group["params"]}
     return {n: by_id[id(p)] for n, p in model.named_parameters() if by_id.get(id(p), 0.0)}
@@ -71,8 +68,6 @@ def optimizer_weight_decay(cfg: RunConfig, model: torch.nn.Module) -> dict[str, 
 
 def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:
     """Global-update transforms for this run (global GC)."""
-    from clients.gradient_centralization import global_gc_transform
-
     out: list[UpdateTransform] = []
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode in ("global", "hybrid"):
