@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import lru_cache
 from io import BytesIO
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -96,6 +96,41 @@ def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 def numpy_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """An ArrayRecord of NumPy arrays (keys in the mapping's order)."""
     return ArrayRecord(OrderedDict((k, from_numpy(v)) for k, v in arrays.items()))
+
+
+def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
+                    weights: Sequence[float] | None = None,
+                    dtype: type | np.dtype | None = None) -> dict[str, np.ndarray]:
+    """The mean of model arrays over clients, key by key: the project's one
+    weighted mean (every strategy's aggregation goes through it).
+
+    ``weights`` None means unweighted (each ``1/n``). The order is Flower's
+    ``aggregate_arrayrecords``: ``w_i = weight_i / sum(weights)`` as Python
+    floats, ``acc = v_0 * w_0; acc += v_i * w_i`` in record order, so an
+    example-weighted mean of float32 arrays is bit-identical to Flower's.
+    ``dtype`` accumulates in that dtype (``np.float64`` for server state kept
+    across rounds); None keeps each array's dtype. Flower ``Array`` values are
+    read as zero-copy views (:func:`to_numpy`).
+    """
+    if not records:
+        raise ValueError("mean_of_records needs at least one record")
+    raw = [1.0] * len(records) if weights is None else [float(w) for w in weights]
+    if len(raw) != len(records):
+        raise ValueError(f"{len(raw)} weights for {len(records)} records")
+    total = sum(raw)
+    if not total > 0:
+        raise ValueError(f"weights must sum to > 0, got {total}")
+    acc: dict[str, np.ndarray] = {}
+    for record, weight in zip(records, (w / total for w in raw)):
+        for key, value in record.items():
+            array = to_numpy(value) if isinstance(value, Array) else np.asarray(value)
+            if dtype is not None:
+                array = array.astype(dtype, copy=False)
+            if key not in acc:
+                acc[key] = array * weight
+            else:
+                acc[key] += array * weight
+    return acc
 
 
 def tensors_to_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:

@@ -40,7 +40,8 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from clients.fedacg import FedACGSolver
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
-from strategies.base import FedAccelStrategy, Federation
+from fedaccel.arrays import mean_of_records, numpy_to_record
+from strategies.base import FedAccelStrategy, Federation, weighted_mean_of_replies
 
 WEIGHTINGS = ("examples", "uniform")
 
@@ -74,20 +75,12 @@ class FedACGParams:
 
 def mean_of_replies(replies: list[Message], weighting: str, weighted_by_key: str) -> ArrayRecord:
     """Mean of the replies' ``arrays``: example-weighted (Flower's
-    ``aggregate_arrayrecords``) or unweighted, summed in reply order."""
-    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
+    ``aggregate_arrayrecords``, bit-identical) or unweighted, in reply order
+    (:func:`fedaccel.arrays.mean_of_records`)."""
     contents = [m.content for m in replies]
     if weighting == "examples":
-        return aggregate_arrayrecords(contents, weighted_by_key)
-    records = [next(iter(c.array_records.values())) for c in contents]  # one ArrayRecord each
-    out = {}
-    for name in records[0].keys():
-        total = np.array(records[0][name].numpy(), copy=True)
-        for rec in records[1:]:
-            total = total + rec[name].numpy()
-        out[name] = Array(np.asarray(total / len(records)))
-    return ArrayRecord(out)
+        return weighted_mean_of_replies(contents, weighted_by_key)
+    return numpy_to_record(mean_of_records([next(iter(c.array_records.values())) for c in contents]))
 
 
 class FedACGStrategy(FedAccelStrategy, FedAvg):

@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from clients.feddyn import FedDynSolver
-from fedaccel.arrays import record_to_numpy
+from fedaccel.arrays import mean_of_records, record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
 from strategies.base import FedAccelStrategy, Federation
@@ -68,13 +68,14 @@ class FedDynStrategy(FedAccelStrategy, FedAvg):
         theta = {k: v.astype(np.float64) for k, v in record_to_numpy(self.sent_model()).items()}
         if self.h is None:
             self.h = {k: np.zeros_like(v) for k, v in theta.items()}
-        models = [record_to_numpy(r.content["arrays"]) for r in replies]
+        models = [r.content["arrays"] for r in replies]
+        mean = mean_of_records(models, dtype=np.float64)
         new = {}
         for k in theta:
-            local = [m[k].astype(np.float64) for m in models]
-            delta_sum = sum(x - theta[k] for x in local)
+            # sum_k (theta_k - theta) = n (mean - theta)
+            delta_sum = len(models) * (mean[k] - theta[k])
             self.h[k] = h_update(self.h[k], delta_sum, self.alpha, self.federation.num_clients)
-            new[k] = server_model(sum(local) / len(local), self.h[k], self.alpha)
+            new[k] = server_model(mean[k], self.h[k], self.alpha)
         return numpy_to_record(new, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
 
 

@@ -118,3 +118,46 @@ def test_load_into_rejects_what_load_state_dict_rejects():
         load_into(model, tensors_to_record({"weight": torch.zeros(2, 3)}))
     with pytest.raises(RuntimeError, match="size mismatch"):
         load_into(model, tensors_to_record({"weight": torch.zeros(3, 3), "bias": torch.zeros(2)}))
+
+
+def test_mean_of_records_by_hand():
+    """weights 1 and 3 -> 0.25 [1, 2] + 0.75 [5, 6] = [4, 5]; unweighted [3, 4]."""
+    import numpy as np
+
+    from fedaccel.arrays import mean_of_records
+
+    a = {"w": np.array([1.0, 2.0], dtype=np.float32)}
+    b = {"w": np.array([5.0, 6.0], dtype=np.float32)}
+    weighted = mean_of_records([a, b], [1, 3])
+    assert weighted["w"].dtype == np.float32 and weighted["w"].tolist() == [4.0, 5.0]
+    assert mean_of_records([a, b])["w"].tolist() == [3.0, 4.0]
+    assert mean_of_records([a, b], dtype=np.float64)["w"].dtype == np.float64
+
+
+def test_mean_of_records_is_flowers_weighted_mean_bit_for_bit():
+    import numpy as np
+    from flwr.app import ArrayRecord, MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    from fedaccel.arrays import from_numpy, mean_of_records
+
+    rng = np.random.default_rng(0)
+    contents = [RecordDict({"arrays": ArrayRecord({"w": from_numpy(rng.standard_normal((7, 5)).astype(np.float32))}),
+                            "metrics": MetricRecord({"num-examples": int(n)})})
+                for n in rng.integers(1, 100, size=9)]
+    flower = aggregate_arrayrecords(contents, "num-examples")["w"].numpy()
+    ours = mean_of_records([c["arrays"] for c in contents],
+                           [c["metrics"]["num-examples"] for c in contents])["w"]
+    assert ours.dtype == flower.dtype and np.array_equal(ours, flower)
+
+
+@pytest.mark.parametrize("weights,match", [(None, "at least one"), ([1.0, 2.0], "2 weights for 1"),
+                                            ([0.0], "sum to > 0")])
+def test_mean_of_records_refuses_what_it_cannot_average(weights, match):
+    import numpy as np
+
+    from fedaccel.arrays import mean_of_records
+
+    records = [] if weights is None else [{"w": np.ones(2)}]
+    with pytest.raises(ValueError, match=match):
+        mean_of_records(records, weights)
