@@ -13,7 +13,7 @@ import logging
 import os
 from logging import WARNING
 
-from flwr.app import Context
+from flwr.app import ConfigRecord, Context
 from flwr.common import log
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import Grid, ServerApp
@@ -22,6 +22,11 @@ from fedaccel.errors import USER_ERRORS
 from fedaccel.experiment import run_experiment
 
 app = ServerApp()
+
+# What a caller that runs the ServerApp itself (the fast runner) passes and
+# gets back, through Flower's own Context rather than process-wide state:
+QUIET = "fedaccel-quiet"  # node_config key: true = no per-round progress lines
+RESULTS = "fedaccel.results"  # context.state ConfigRecord: {"run-dir": the results folder}
 
 
 class OneLineUserErrors(logging.Filter):
@@ -58,7 +63,9 @@ def main(grid: Grid, context: Context) -> None:
             "(fedaccel-federations stop-local) and start runs with "
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 (scripts/install.sh sets it in .venv).")
     try:
-        run_experiment(grid, dict(context.run_config))
+        run_dir = run_experiment(grid, dict(context.run_config),
+                                 quiet=bool(context.node_config.get(QUIET, False)))
+        context.state[RESULTS] = ConfigRecord({"run-dir": str(run_dir)})
     except USER_ERRORS as err:
         install_one_line_user_errors()
         raise err.with_traceback(None) from None

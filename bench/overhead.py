@@ -308,7 +308,6 @@ def ray_run(ov: dict[str, Any], clients: int, env: dict[str, str]) -> dict[str, 
 
 def child(args: argparse.Namespace) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
-    os.environ["FEDACCEL_QUIET"] = "1"
     ov = json.loads(args.child_overrides)
     out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)
     out.pop("final", None)

@@ -6,7 +6,6 @@ simulation, on a real SuperLink, and in the fast runner alike.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime
 from logging import INFO
@@ -169,18 +168,10 @@ class Experiment:
         return self.recorder.finish(extra_files=("final_model.npz",))  # prints the results folder last
 
 
-_LAST_RUN: list[Path] = []
+def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
+    """Parse config, discover clients, run; returns the run's results folder.
 
-
-def last_run_dir() -> Path | None:
-    """The results folder of the latest run in this process (for the fast runner)."""
-    return _LAST_RUN[-1] if _LAST_RUN else None
-
-
-def run_experiment(grid: Grid, run_config: dict) -> dict:
-    """Parse config, discover clients, run; returns the summary.
-
-    ``FEDACCEL_QUIET=1`` in the environment silences the per-round lines.
+    ``quiet`` silences the per-round lines (the results line is printed anyway).
     """
     from fedaccel.run_config import parse_run_config
 
@@ -189,6 +180,6 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
-    experiment = Experiment(cfg, federation, quiet=os.environ.get("FEDACCEL_QUIET") == "1", run_dir=run_dir)
-    _LAST_RUN.append(experiment.run_dir)
-    return experiment.run(grid)
+    experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir)
+    experiment.run(grid)
+    return experiment.run_dir

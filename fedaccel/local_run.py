@@ -138,39 +138,33 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     user, exactly as they end a ``flwr run`` as failed.
     """
     import logging
-    import os
 
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
     from apps.client_app import app as client_app, prepare_clients
     from clients.state import state_run_dir
-    from apps.server_app import app as server_app
+    from apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     update_console_handler(colored=sys.stderr.isatty())  # no ANSI codes in a pipe or a file
-    grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
-    prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
-    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
-    previous = os.environ.get("FEDACCEL_QUIET")
-    os.environ["FEDACCEL_QUIET"] = "1" if quiet else "0"
+    grid = None
     try:
+        grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
+        prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
+        context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: quiet},
+                          state=RecordDict(), run_config=run_config)
         server_app(grid, context)
     finally:
-        shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
-                      ignore_errors=True)
+        if grid is not None:
+            shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
+                          ignore_errors=True)
         FLOWER_LOGGER.setLevel(previous_level)  # the caller's logging is not ours to change
         update_console_handler(colored=True)  # Flower's default
-        if previous is None:
-            del os.environ["FEDACCEL_QUIET"]
-        else:
-            os.environ["FEDACCEL_QUIET"] = previous
-    from fedaccel.experiment import last_run_dir
-
-    return last_run_dir()
+    return Path(str(context.state[RESULTS]["run-dir"]))
 
 
 EXIT_CODES_HELP = """exit codes:

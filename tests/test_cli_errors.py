@@ -122,9 +122,9 @@ def test_flower_log_is_plain_when_not_a_terminal(tmp_path, monkeypatch):
     seen = []
     original = apps.server_app.run_experiment
 
-    def spy(grid, run_config):
+    def spy(grid, run_config, **kwargs):
         seen.append(console_handler.colored)
-        return original(grid, run_config)
+        return original(grid, run_config, **kwargs)
 
     monkeypatch.setattr(apps.server_app, "run_experiment", spy)
     assert main([f"results-dir='{tmp_path}'", "--quiet", *SMALL]) == 0

@@ -189,11 +189,11 @@ def run_on_grid(run_config: dict, num_clients: int):
     """Run the real ServerApp/ClientApp on a LocalGrid we keep (run_local does
     the same, then deletes the disk state)."""
     from apps.client_app import app as client_app
-    from apps.server_app import app as server_app
+    from apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config["seed"]))
-    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+    context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: True}, state=RecordDict(),
                       run_config=run_config)
     server_app(grid, context)
     return grid
@@ -201,11 +201,6 @@ def run_on_grid(run_config: dict, num_clients: int):
 
 def partition_of(context: Context) -> int:
     return int(context.node_config["partition-id"])
-
-
-@pytest.fixture
-def quiet(monkeypatch):
-    monkeypatch.setenv("FEDACCEL_QUIET", "1")
 
 
 def test_run_local_context_and_disk_give_identical_runs(tmp_path, monkeypatch):
@@ -240,7 +235,7 @@ def test_run_local_context_and_disk_give_identical_runs(tmp_path, monkeypatch):
     assert not state_dir.exists() or list(state_dir.iterdir()) == []
 
 
-def test_state_survives_rounds_in_both_stores(tmp_path, quiet):
+def test_state_survives_rounds_in_both_stores(tmp_path):
     """Every client trained twice (2 meta-epochs of reshuffling); the tensors
     each store keeps after the run are the same, and disk mode leaves the
     Contexts empty."""
@@ -270,7 +265,7 @@ def test_state_survives_rounds_in_both_stores(tmp_path, quiet):
                                from_context[pid][f"xhat.{next(iter(final))}"])
 
 
-def test_auto_switches_to_disk_above_the_threshold(tmp_path, monkeypatch, quiet):
+def test_auto_switches_to_disk_above_the_threshold(tmp_path, monkeypatch):
     monkeypatch.setattr(state_mod, "AUTO_DISK_BYTES", 1)
     state_dir = tmp_path / "state"
     grid = run_on_grid(small_config(tmp_path, "auto", **{"client-state": "auto",
@@ -283,7 +278,7 @@ def test_auto_switches_to_disk_above_the_threshold(tmp_path, monkeypatch, quiet)
                for c in grid.contexts.values())
 
 
-def test_stateless_algorithm_keeps_no_state(tmp_path, quiet):
+def test_stateless_algorithm_keeps_no_state(tmp_path):
     grid = run_on_grid(small_config(tmp_path, "avg", algo="fedavg", **{"client-state": "disk",
                                                                        "state-dir": str(tmp_path / "s"),
                                                                        "num-server-rounds": 1}), 6)
@@ -298,7 +293,7 @@ def test_lost_client_state_is_detected_and_reported(tmp_path, caplog):
     from flwr.app import Context, RecordDict
 
     from apps.client_app import app as client_app
-    from apps.server_app import app as server_app
+    from apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     cfg = fuse(default_run_config(), {
@@ -317,7 +312,7 @@ def test_lost_client_state_is_detected_and_reported(tmp_path, caplog):
         return client_app(message, context)
 
     grid = LocalGrid(restarting_client, cfg, num_clients=4)
-    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: True}, state=RecordDict(),
                              run_config=cfg))
     rows = [json.loads(line) for line in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["state_lost"] for r in rows) == 1  # reshuffle: partition 0 trains twice in 4 rounds

@@ -272,7 +272,7 @@ def test_fit_runs_prox_sgd_by_hand():
 def run_on_grid(tmp_path: Path, algo: str, num_clients: int = 6, **overrides):
     """The real ServerApp/ClientApp on a LocalGrid we keep, to read client state."""
     from apps.client_app import app as client_app
-    from apps.server_app import app as server_app
+    from apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     cfg = fuse(default_run_config(), {
@@ -280,7 +280,7 @@ def run_on_grid(tmp_path: Path, algo: str, num_clients: int = 6, **overrides):
         "num-server-rounds": 4, "accl-every": 0, "client-state": "context",
         "results-dir": str(tmp_path), "run-name": algo, **overrides})
     grid = LocalGrid(client_app, cfg, num_clients, seed=int(cfg["seed"]))
-    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
+    server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: True},
                              state=RecordDict(), run_config=cfg))
     final = dict(np.load(tmp_path / algo / "final_model.npz"))
     return cfg, grid, final
@@ -307,12 +307,7 @@ def mean_xhat(grid, final, x0) -> tuple[dict[str, np.ndarray], int]:
     return {k: v / n for k, v in total.items()}, trained
 
 
-@pytest.fixture
-def quiet(monkeypatch):
-    monkeypatch.setenv("FEDACCEL_QUIET", "1")
-
-
-def test_invariant_full_participation_real_run(tmp_path, quiet):
+def test_invariant_full_participation_real_run(tmp_path):
     """6 of 6 clients every round: every client starts from x0 in round 1, so
     the global model stays the mean of the clients' xhat."""
     cfg, grid, final = run_on_grid(tmp_path, "fedcdr", **{"clients-per-round": 6})
@@ -325,7 +320,7 @@ def test_invariant_full_participation_real_run(tmp_path, quiet):
         np.testing.assert_allclose(final[k], mean[k], atol=1e-5, rtol=0)
 
 
-def test_invariant_fedcdr_reshuffled_real_run(tmp_path, quiet):
+def test_invariant_fedcdr_reshuffled_real_run(tmp_path):
     """6 clients, 3 per round, 4 rounds = 2 meta-epochs: every client trained."""
     cfg, grid, final = run_on_grid(tmp_path, "fedcdr")
     mean, trained = mean_xhat(grid, final, initial_model(cfg, 6))
@@ -334,7 +329,7 @@ def test_invariant_fedcdr_reshuffled_real_run(tmp_path, quiet):
         np.testing.assert_allclose(final[k], mean[k], atol=1e-5, rtol=0)
 
 
-def test_invariant_feddr_uniform_real_run(tmp_path, quiet):
+def test_invariant_feddr_uniform_real_run(tmp_path):
     """seed 1: partition 0 is never sampled in 4 rounds (it counts as x0)."""
     cfg, grid, final = run_on_grid(tmp_path, "feddr", seed=1)
     never = [p for p in range(6) if all(p not in uniform_cohort(1, r, 6, 3) for r in range(1, 5))]
@@ -345,7 +340,7 @@ def test_invariant_feddr_uniform_real_run(tmp_path, quiet):
         np.testing.assert_allclose(final[k], mean[k], atol=1e-5, rtol=0)
 
 
-def test_invariant_and_symmetry_breaking_feddr_init_zeros_real_run(tmp_path, quiet):
+def test_invariant_and_symmetry_breaking_feddr_init_zeros_real_run(tmp_path):
     """init='zeros', seed 1: partition 0 never trains, its xhat counts as 0.
     The global model stays the mean over all 6 clients of xhat_i, and the
     MLP's hidden layer leaves its initialization with distinct rows. (With
