@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from fedaccel.arrays import load_into
 from fedaccel.config import RunConfig
 from fedaccel.errors import FederationError, ResultsDirError
+from fedaccel.memory import require_memory
 from fedaccel.registry import get_algorithm
 from fedaccel.results import RunRecorder
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
@@ -180,6 +181,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
+    require_memory(cfg, federation.num_clients, client_contexts=False)  # the server's data
     experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir)
     experiment.run(grid)
     return experiment.run_dir

@@ -151,6 +151,10 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     update_console_handler(colored=sys.stderr.isatty())  # no ANSI codes in a pipe or a file
+    from fedaccel.memory import require_memory
+    from fedaccel.run_config import parse_run_config
+
+    require_memory(parse_run_config(run_config), num_clients)  # before building anything
     grid = None
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
