@@ -129,8 +129,8 @@ class RunConfig:
             raise config_error(
                 "clients-per-round", display_value(self.clients_per_round),
                 f"exceeds the {num_clients} clients in the federation; use at most "
-                f"{num_clients}, or more SuperNodes (flwr run --federation-config "
-                f"\"num-supernodes=N\"; fast runner: --num-clients N)",
+                f"{num_clients}, or more clients (fedaccel-federations size local-simulation N; "
+                f"fast runner: --num-clients N)",
             )
         return size
 

@@ -29,9 +29,8 @@ from strategies.base import Federation, PromptGrid, query_partitions
 
 
 MISSING_NODES_HINT = (
-    "in Flower's simulation, num-supernodes (flwr run --federation-config "
-    "\"num-supernodes=N\") must be at most what the machine can start, and every node "
-    "needs its partition; on a real federation, start the missing SuperNodes, each "
+    "in Flower's simulation, set num-supernodes to what the machine can start "
+    "(fedaccel-federations size local-simulation N); on a real federation, start the missing SuperNodes, each "
     "with --node-config \"partition-id=I num-partitions=N\"")
 
 

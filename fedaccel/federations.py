@@ -49,11 +49,34 @@ def install(path: Path, set_default: bool = True) -> Path:
     return write_flower_config(config)
 
 
+def set_size(profile: str, num_supernodes: int) -> Path:
+    """Set an installed simulation profile's ``num-supernodes`` in
+    $FLWR_HOME/config.toml, keeping its other options (backend, CPU/GPU per
+    client), which ``flwr run --federation-config "num-supernodes=N"`` drops."""
+    from flwr.cli.flower_config import read_flower_config, write_flower_config
+
+    if num_supernodes < 1:
+        raise ValueError(f"the number of SuperNodes must be >= 1, got {num_supernodes}")
+    config, _ = read_flower_config()
+    profiles = {k: v for k, v in config.get("superlink", {}).items() if isinstance(v, dict)}
+    if profile not in profiles:
+        raise ValueError(f"profile {profile!r} is not installed (installed: {', '.join(sorted(profiles))}); "
+                         "run fedaccel-federations install first")
+    if profiles[profile].get("address") != ":local:":
+        raise ValueError(f"profile {profile!r} is a real federation: it has as many clients as "
+                         "SuperNodes connect to it (start more SuperNodes instead)")
+    profiles[profile].setdefault("options", {})["num-supernodes"] = int(num_supernodes)
+    return write_flower_config(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedaccel-federations", description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=("install", "show", "stop-local"),
-                        help="install the profiles, show them, or stop the local SuperLink "
-                             "that flwr run leaves running")
+    parser.add_argument("action", choices=("install", "show", "size", "stop-local"),
+                        help="install the profiles, show them, set a simulation profile's number "
+                             "of clients (size PROFILE N), or stop the local SuperLink that flwr run "
+                             "leaves running")
+    parser.add_argument("size_args", nargs="*", metavar="PROFILE N",
+                        help="for size: the profile and its num-supernodes, e.g. local-simulation 100")
     parser.add_argument("--file", type=Path, default=project_dir() / "flower.toml",
                         help="profiles file (default: the project's flower.toml)")
     parser.add_argument("--no-default", action="store_true",
@@ -63,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         from fedaccel.superlink import stop_local_superlink
 
         print(f"stopped {stop_local_superlink()} local SuperLink(s)")
+        return 0
+    if args.action == "size":
+        if len(args.size_args) != 2 or not args.size_args[1].isdigit():
+            parser.error("size needs a profile and a number, e.g. size local-simulation 100")
+        try:
+            written = set_size(args.size_args[0], int(args.size_args[1]))
+        except ValueError as err:
+            print(f"fedaccel-federations: error: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.size_args[0]}: num-supernodes = {args.size_args[1]} in {written} "
+              "(its other options kept)")
         return 0
     if not args.file.is_file():
         print(f"fedaccel-federations: error: {args.file} not found", file=sys.stderr)

@@ -76,5 +76,5 @@ def require_memory(cfg: RunConfig, num_clients: int, client_contexts: bool = Tru
         raise ResourceError(
             f"{num_clients:,} clients need about {gib(need)} of memory ({parts}), but this machine "
             f"has {gib(available)} available: use fewer clients (fedaccel-run --num-clients, "
-            f"flwr run --federation-config \"num-supernodes=N\")"
+            f"fedaccel-federations size local-simulation N)"
             + (" or a smaller synthetic.max-samples" if cfg.dataset == "synthetic" else ""))
