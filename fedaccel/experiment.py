@@ -163,6 +163,7 @@ class Experiment:
             timeout=self.cfg.round_timeout,
             evaluate_fn=self.on_round_end,
         )
+        self.strategy.report_repeated_client_errors()  # after the last round, evaluated or not
         final = result.arrays if len(result.arrays) else initial
         np.savez(self.run_dir / "final_model.npz", **{k: a.numpy() for k, a in final.items()})
         return self.recorder.finish(extra_files=("final_model.npz",))  # prints the results folder last

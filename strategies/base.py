@@ -492,8 +492,6 @@ class FedAccelStrategy:
         metrics = super().aggregate_evaluate(server_round, ok)  # type: ignore[misc]
         if metrics is not None and "accl" in metrics:
             self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
-        if server_round == self.run_cfg.num_server_rounds:  # Flower's last hook of a run
-            self.report_repeated_client_errors()
         return metrics
 
     # ------------------------------------------------------ failed replies

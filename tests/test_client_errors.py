@@ -214,6 +214,10 @@ def test_programming_error_is_reported_with_its_cause(tmp_path, monkeypatch, cap
     (line,) = server_lines(caplog)
     assert line == (f"[fedaccel] client failed in round 1: node {node_of(grid, 2)} (partition 2): "
                     "RuntimeError: disk on fire")
+    # the repeats are summed up at the end of the run, also without any evaluation round
+    assert [r.getMessage() for r in caplog.records if "rounds (reported once above" in r.getMessage()] == [
+        f"[fedaccel] client failed in 3 of 3 rounds (reported once above, first in round 1): "
+        f"node {node_of(grid, 2)} (partition 2): RuntimeError: disk on fire"]
 
 
 def test_a_failed_round_commits_no_client_state(tmp_path, monkeypatch, caplog):
@@ -319,6 +323,7 @@ def test_a_hundred_failing_rounds_log_the_cause_once(caplog):
             model, _ = strategy.aggregate_train(server_round, [err, ok])
             strategy.aggregate_evaluate(server_round, [])
             assert strategy.rounds[server_round].failures == 1
+        strategy.report_repeated_client_errors()  # as Experiment.run does after the last round
     assert server_lines(caplog) == [f"[fedaccel] client failed in round 1: {reason}"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 3, warnings  # the cause, round 1's count, the repeats at the end
