@@ -175,6 +175,12 @@ def display_value(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
 
 
+def algo_param_keys(params_cls: type, prefix: str) -> list[tuple[str, dataclasses.Field]]:
+    """``(run-config key, field)`` of every field of an algorithm's params
+    dataclass: field ``server_momentum`` is key ``<prefix>.server-momentum``."""
+    return [(f"{prefix}.{f.name.replace('_', '-')}", f) for f in dataclasses.fields(params_cls)]
+
+
 def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> Any:
     """Build an algorithm's typed config from ``<prefix>.<field-name>`` keys.
 
@@ -183,8 +189,7 @@ def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> 
     :class:`ConfigError` for out-of-range values.
     """
     values = {}
-    for f in dataclasses.fields(params_cls):
-        key = f"{prefix}.{f.name.replace('_', '-')}"
+    for key, f in algo_param_keys(params_cls, prefix):
         if key not in cfg:
             continue
         value = cfg[key]

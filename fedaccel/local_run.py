@@ -147,14 +147,15 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
 
+    from fedaccel.memory import require_memory
+    from fedaccel.run_config import parse_run_config
+
+    # before building anything, and before Flower's logging is changed (nothing to restore)
+    require_memory(parse_run_config(run_config), num_clients)
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
     update_console_handler(colored=sys.stderr.isatty())  # no ANSI codes in a pipe or a file
-    from fedaccel.memory import require_memory
-    from fedaccel.run_config import parse_run_config
-
-    require_memory(parse_run_config(run_config), num_clients)  # before building anything
     grid = None
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
@@ -177,7 +178,8 @@ EXIT_CODES_HELP = """exit codes:
   2  the command or the run config is wrong (unknown key, invalid value,
      a YAML file that is missing or malformed)
   3  the machine or the data is wrong (missing or corrupt data files,
-     a results folder that cannot be written, too few samples or clients)
+     a results folder that cannot be written, too few samples or clients,
+     not enough memory: estimated before anything is built)
   4  the run started and failed (every client of a round failed)
 """
 

@@ -12,7 +12,6 @@ every model, so it sits above them; the schema it fills is
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Mapping
 
@@ -20,7 +19,7 @@ from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
 from clients.state import CLIENT_STATES
 from data import DATASETS, PARTITIONS
 from fedaccel.config import (
-    DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, display_value, config_error,
+    DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
     did_you_mean, parse_algo_params, require,
 )
 from fedaccel.registry import algorithm_names, get_algorithm
@@ -75,14 +74,12 @@ def _refuse_other_algorithms_keys(cfg: Mapping[str, Any], algo: str) -> None:
     so a key is the user's only when its value differs from the default:
     ``fedprox.mu=0.5`` with ``algo='fedavg'`` would be ignored, silently.
     """
-
     mine = get_algorithm(algo).prefix
     for other in algorithm_names():
         spec = get_algorithm(other)
         if spec.prefix == mine:
             continue
-        for f in dataclasses.fields(spec.params):
-            key = f"{spec.prefix}.{f.name.replace('_', '-')}"
+        for key, f in algo_param_keys(spec.params, spec.prefix):
             if key in cfg and cfg[key] != f.default:
                 raise config_error(
                     key, cfg[key], f"is a hyperparameter of algo='{other}', which this run does "
@@ -91,7 +88,6 @@ def _refuse_other_algorithms_keys(cfg: Mapping[str, Any], algo: str) -> None:
 
 def parse_run_config(cfg: Mapping[str, Any]) -> RunConfig:
     """Validate a Flower run config and return the typed :class:`RunConfig`."""
-
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(

@@ -166,3 +166,15 @@ def test_flower_logs_a_user_error_as_one_line(entity):
     bug = record(KeyError("arrays"))
     assert OneLineUserErrors().filter(bug)
     assert bug.getMessage() == f"{entity} raised an exception" and bug.exc_info is not None
+
+
+def test_a_refused_run_leaves_flowers_logging_as_it_was(tmp_path, capsys, monkeypatch):
+    """Refused before anything is built (here: by the memory check inside
+    run_local): Flower's log level and colours are the caller's again."""
+    from flwr.common.logger import FLOWER_LOGGER, console_handler
+
+    monkeypatch.setattr("fedaccel.memory.available_bytes", lambda: 2**30)
+
+    level, colored = FLOWER_LOGGER.level, console_handler.colored
+    assert main([f"results-dir='{tmp_path}'", "--num-clients", "10000000", "--quiet"]) != 0
+    assert (FLOWER_LOGGER.level, console_handler.colored) == (level, colored)

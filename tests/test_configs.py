@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import re
 import shlex
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, parse_overrides, run_local

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedaccel.config import ConfigError
-
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
