@@ -15,7 +15,7 @@ and the test (the theorem is local), *not* the runner's seeded initial model.
 Hessian by autograd here, independent of the code under test).
 
 How it runs: the project's *real* pieces, in this process, in float64: the
-ClientApp ``apps.client_app.app`` (its ``train`` handler), each algorithm's
+ClientApp ``fedaccel.apps.client_app.app`` (its ``train`` handler), each algorithm's
 registered strategy (``get_algorithm(algo).build_strategy``) and solver, the
 fast runner's ``LocalGrid``, and Flower's ``Strategy.start``. Only the client
 runtime (data + model) is replaced: ``client_runtime`` returns a float64
@@ -126,14 +126,14 @@ def run_method(algo: str, overrides: dict, shards, start: dict, rounds: int,
     from flwr.app import ArrayRecord
     from flwr.common.logger import FLOWER_LOGGER
 
-    import apps.client_app as client_module
-    from apps.client_app import ClientRuntime
-    from clients.base import TrainData
+    import fedaccel.apps.client_app as client_module
+    from fedaccel.apps.client_app import ClientRuntime
+    from fedaccel.clients.base import TrainData
     from fedaccel.run_config import parse_run_config
     from fedaccel.local_grid import LocalGrid, task_identity
     from fedaccel.local_run import default_run_config, fuse
     from fedaccel.registry import get_algorithm
-    from models import LogReg
+    from fedaccel.models import LogReg
     from fedaccel.membership import Federation
 
     FLOWER_LOGGER.setLevel(logging.ERROR)

@@ -93,11 +93,11 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from clients import foof  # FOOF matrix and layer-matrix helpers (pure tensor functions)
-    from data import DataConfig, load_federated
+    from fedaccel.clients import foof  # FOOF matrix and layer-matrix helpers (pure tensor functions)
+    from fedaccel.data import DataConfig, load_federated
     from fedaccel.samplers import cohort
     from fedaccel.torch_utils import seeded_generator
-    from models import build_model
+    from fedaccel.models import build_model
 
     from fedaccel.local_run import default_run_config, fuse
     cfg = fuse(default_run_config(), ov)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # pragma: no cover
     from flwr.serverapp.strategy import Strategy
 
-    from clients.base import LocalSolver
+    from fedaccel.clients.base import LocalSolver
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class AlgorithmSpec:
     """One algorithm: how the server aggregates and how a client trains.
 
     ``build_strategy(cfg, federation)`` returns a Flower ``Strategy``;
-    ``solver`` is the client-side :class:`clients.base.LocalSolver` subclass;
+    ``solver`` is the client-side :class:`fedaccel.clients.base.LocalSolver` subclass;
     ``params`` is a frozen dataclass read from ``<config_prefix>.<field>`` keys.
     """
 

@@ -39,7 +39,7 @@ class ClientErrorLog:
         """``(who, cause)`` of an error reply; ``who`` is ``node N (partition P)``.
 
         The ClientApp's replies for user errors read ``node N (partition P):
-        cause`` (apps/client_app.py); for any other error (an exception Flower
+        cause`` (fedaccel/apps/client_app.py); for any other error (an exception Flower
         turned into a reply, with a traceback on the node) the cause is the
         reason's last line and the partition is the one the server knows.
         """

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from data import DataConfig
+from fedaccel.data import DataConfig
 
 
 class ConfigError(ValueError):
@@ -69,7 +69,7 @@ class GCConfig:
     GC (global GC in hybrid). ``vectors`` (``gc.vectors``): keep | mean, what
     GC does to 1-D tensors. ``weight_decay`` (``gc.weight-decay``):
     centralized | raw, whether local GC centralizes the optimizer's weight-decay
-    term too. See clients/gradient_centralization.py.
+    term too. See fedaccel/clients/gradient_centralization.py.
     """
 
     mode: str = "none"

@@ -6,7 +6,7 @@ with :data:`TRAIN_CONFIG_KEYS`; the client replies with its ``arrays`` and a
 ``metrics`` record. An algorithm may add ArrayRecords in either direction
 (SCAFFOLD's control variates, FedPM's preconditioners) and config values
 (FedProx's ``proximal-mu``); it declares them in a :class:`MessageContract` on
-its solver class (:attr:`clients.base.LocalSolver.messages`), and its strategy
+its solver class (:attr:`fedaccel.clients.base.LocalSolver.messages`), and its strategy
 refers to that same object. Both sides check a message against it, so a wrong
 or missing key is one error naming the algorithm and the key:
 

@@ -12,9 +12,9 @@ Each kind has one exit code in ``fedaccel-run`` (documented in the README):
 Anything else is a bug in fedaccel: exit code 1 with a traceback.
 """
 
-from data import DataError
+from fedaccel.data import DataError
 from fedaccel.config import ConfigError
-from models import ModelError
+from fedaccel.models import ModelError
 
 
 class FederationError(RuntimeError):

@@ -142,9 +142,9 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
-    from apps.client_app import app as client_app, prepare_clients
-    from clients.state import state_run_dir
-    from apps.server_app import QUIET, RESULTS, app as server_app
+    from fedaccel.apps.client_app import app as client_app, prepare_clients
+    from fedaccel.clients.state import state_run_dir
+    from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     from fedaccel.memory import require_memory

@@ -27,7 +27,7 @@ USABLE_FRACTION = 0.9  # of MemAvailable: leave room for torch, the model and th
 
 def expected_synthetic_samples(cfg: RunConfig, num_clients: int) -> float:
     """E[samples] of FedProx's synthetic sizes (LogNormal(size-mu, 2) + min-samples,
-    clipped to max-samples, data/sources.py), from 200,000 seeded draws."""
+    clipped to max-samples, fedaccel/data/sources.py), from 200,000 seeded draws."""
     syn = cfg.synthetic
     draws = np.random.default_rng(0).lognormal(syn.size_mu, 2, 200_000).astype(np.int64) + syn.min_samples
     return float(np.minimum(draws, syn.max_samples).mean()) * num_clients

@@ -1,6 +1,6 @@
 """Algorithm registry: ``algo`` name -> (strategy factory, local solver, typed params).
 
-An algorithm ``X`` is the module ``strategies/X.py`` that assigns a module-level
+An algorithm ``X`` is the module ``fedaccel/strategies/X.py`` that assigns a module-level
 ``ALGORITHM`` (an :class:`fedaccel.algorithm.AlgorithmSpec` named ``X``), so
 adding an algorithm means adding one strategy module and one solver module and
 touching nothing else.
@@ -24,7 +24,7 @@ from pathlib import Path
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.config import config_error, did_you_mean
 
-ALGORITHMS_PACKAGE = "strategies"
+ALGORITHMS_PACKAGE = "fedaccel.strategies"
 
 
 @cache
@@ -57,7 +57,7 @@ def algorithm_names() -> tuple[str, ...]:
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    """The spec of algorithm ``name``, importing only ``strategies/<name>.py``.
+    """The spec of algorithm ``name``, importing only ``fedaccel/strategies/<name>.py``.
 
     An unknown name is a :class:`fedaccel.errors.ConfigError` listing the
     registered ones (with a did-you-mean).
@@ -69,7 +69,7 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 
 
 def _import_spec(name: str) -> AlgorithmSpec:
-    """Import ``strategies/<name>.py`` (a listed name) and check its ``ALGORITHM``."""
+    """Import ``fedaccel/strategies/<name>.py`` (a listed name) and check its ``ALGORITHM``."""
     module = importlib.import_module(f"{ALGORITHMS_PACKAGE}.{name}")
     spec = getattr(module, "ALGORITHM", None)
     if not isinstance(spec, AlgorithmSpec) or spec.name != name:

@@ -15,16 +15,16 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
-from clients.state import CLIENT_STATES
-from data import DATASETS, PARTITIONS
+from fedaccel.clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
+from fedaccel.clients.state import CLIENT_STATES
+from fedaccel.data import DATASETS, PARTITIONS
 from fedaccel.config import (
     DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
     parse_algo_params, require,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
-from models import MODELS
+from fedaccel.models import MODELS
 
 
 def _number(cfg: Mapping[str, Any], key: str) -> float:

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from data import DataConfig, FederatedDataset, load_federated
+from fedaccel.data import DataConfig, FederatedDataset, load_federated
 from fedaccel.config import RunConfig
-from models import build_model, default_model
+from fedaccel.models import build_model, default_model
 
 
 def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:

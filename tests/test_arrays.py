@@ -9,7 +9,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedaccel.arrays import from_numpy, from_tensor, record_to_tensors, tensors_to_record, to_numpy
-from strategies.server_steps import weighted_mean_of_replies
+from fedaccel.strategies.server_steps import weighted_mean_of_replies
 
 SAMPLES = [
     np.arange(12, dtype=np.float32).reshape(3, 4) / 7,

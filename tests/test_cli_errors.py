@@ -116,17 +116,17 @@ def test_quiet_still_prints_where_the_results_are(tmp_path, capsys):
 def test_flower_log_is_plain_when_not_a_terminal(tmp_path, monkeypatch):
     """Under pytest stderr is no terminal: Flower's console handler writes no
     ANSI colour codes during the run, and is back to Flower's default after."""
-    import apps.server_app
+    import fedaccel.apps.server_app
     from flwr.common.logger import console_handler
 
     seen = []
-    original = apps.server_app.run_experiment
+    original = fedaccel.apps.server_app.run_experiment
 
     def spy(grid, run_config, **kwargs):
         seen.append(console_handler.colored)
         return original(grid, run_config, **kwargs)
 
-    monkeypatch.setattr(apps.server_app, "run_experiment", spy)
+    monkeypatch.setattr(fedaccel.apps.server_app, "run_experiment", spy)
     assert main([f"results-dir='{tmp_path}'", "--quiet", *SMALL]) == 0
     assert seen == [False]
     assert console_handler.colored is True
@@ -150,7 +150,7 @@ def test_flower_logs_a_user_error_as_one_line(entity):
     raised an exception") and under Ray ("Simulation ..."), with exc_info."""
     import logging
 
-    from apps.server_app import OneLineUserErrors
+    from fedaccel.apps.server_app import OneLineUserErrors
 
     def record(err: BaseException) -> logging.LogRecord:
         try:

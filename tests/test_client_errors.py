@@ -18,11 +18,11 @@ from flwr.app import (Array, ArrayRecord, ConfigRecord, Context, Error, Message,
                       RecordDict)
 from flwr.common.constant import ErrorCode
 
-import apps.client_app as client_module
-from apps.client_app import app as client_app
-from apps.server_app import app as server_app
-from data import DataConfig, DataError
-from data.device_file import export_partition
+import fedaccel.apps.client_app as client_module
+from fedaccel.apps.client_app import app as client_app
+from fedaccel.apps.server_app import app as server_app
+from fedaccel.data import DataConfig, DataError
+from fedaccel.data.device_file import export_partition
 from fakes import StubGrid
 from fedaccel.contract import train_config_record
 from fedaccel.run_config import parse_run_config
@@ -110,12 +110,12 @@ def test_bad_node_config_is_an_error_reply_too(tmp_path):
 def test_a_programming_error_still_raises_in_the_client_app(tmp_path, monkeypatch):
     """Only user errors become error replies in the ClientApp; a bug raises,
     so Flower logs its traceback on the node (and replies with an error itself)."""
-    import clients.base
+    import fedaccel.clients.base
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(clients.base.LocalSolver, "run_epochs", broken)
+    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
     cfg = run_config(tmp_path)
     grid = LocalGrid(client_app, cfg, num_clients=2)
     node = node_of(grid, 0)
@@ -192,10 +192,10 @@ def test_programming_error_is_reported_with_its_cause(tmp_path, monkeypatch, cap
     """A bug in one client (a RuntimeError, not a user error) is not swallowed:
     the ClientApp raises, the runner turns it into an error reply as Flower
     does, and the server logs the node and the exception's line."""
-    import clients.base
+    import fedaccel.clients.base
 
     current: dict[str, int] = {}
-    real_runtime, real_epochs = client_module.client_runtime, clients.base.LocalSolver.run_epochs
+    real_runtime, real_epochs = client_module.client_runtime, fedaccel.clients.base.LocalSolver.run_epochs
 
     def tracked(context):
         rt = real_runtime(context)
@@ -208,7 +208,7 @@ def test_programming_error_is_reported_with_its_cause(tmp_path, monkeypatch, cap
         return real_epochs(self, *args, **kwargs)
 
     monkeypatch.setattr(client_module, "client_runtime", tracked)
-    monkeypatch.setattr(clients.base.LocalSolver, "run_epochs", run_epochs)
+    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", run_epochs)
     cfg = run_config(tmp_path, **{"accl-every": 0})
     grid = LocalGrid(client_app, cfg, num_clients=4)
     with caplog.at_level(logging.INFO, logger="flwr"):
@@ -229,7 +229,7 @@ def test_a_failed_round_commits_no_client_state(tmp_path, monkeypatch, caplog):
     its new control variate (round 2): nothing is sealed, the server does not
     count the round for it, and the two-sided invariant (server c = mean of the
     clients' c_i) holds after every round (checked by ``run_with_faults``)."""
-    from clients.state import ContextState
+    from fedaccel.clients.state import ContextState
     from fedaccel.registry import get_algorithm
     from test_state_protocol import run_with_faults
 

@@ -1,7 +1,7 @@
 """Per-client state between rounds: the two stores and their use in real runs.
 
-The store unit tests use :class:`clients.state.ContextState` and
-:class:`clients.state.DiskState` directly; the run tests drive FedCDR through
+The store unit tests use :class:`fedaccel.clients.state.ContextState` and
+:class:`fedaccel.clients.state.DiskState` directly; the run tests drive FedCDR through
 the fast runner (``run_local``) or through a :class:`LocalGrid` built here so
 the clients' stored tensors can be read after the run.
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-import clients.state as state_mod
-from clients.state import (
+import fedaccel.clients.state as state_mod
+from fedaccel.clients.state import (
     AUTO_DISK_BYTES,
     ContextState,
     DiskState,
@@ -188,8 +188,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def run_on_grid(run_config: dict, num_clients: int):
     """Run the real ServerApp/ClientApp on a LocalGrid we keep (run_local does
     the same, then deletes the disk state)."""
-    from apps.client_app import app as client_app
-    from apps.server_app import QUIET, app as server_app
+    from fedaccel.apps.client_app import app as client_app
+    from fedaccel.apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config["seed"]))
@@ -292,8 +292,8 @@ def test_lost_client_state_is_detected_and_reported(tmp_path, caplog):
     restarts from the initial state, and the round's metrics say so."""
     from flwr.app import Context, RecordDict
 
-    from apps.client_app import app as client_app
-    from apps.server_app import QUIET, app as server_app
+    from fedaccel.apps.client_app import app as client_app
+    from fedaccel.apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     cfg = fuse(default_run_config(), {

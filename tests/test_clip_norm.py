@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from clients.base import LocalSolver, TrainData
+from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.contract import train_config_record
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config

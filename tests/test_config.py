@@ -313,8 +313,8 @@ def test_every_pyproject_table_belongs_to_an_algorithm_or_synthetic(defaults):
 # data-side validation reaches the user
 # --------------------------------------------------------------------------- #
 def test_more_clients_than_samples_is_a_data_error(defaults):
-    from data import DataError, load_federated
-    from data.sources import load_digits_source
+    from fedaccel.data import DataError, load_federated
+    from fedaccel.data.sources import load_digits_source
     from fedaccel.runtime import data_config_for
 
     cfg = parse_run_config(with_(defaults, dataset="digits"))

@@ -102,13 +102,13 @@ def test_a_scaffold_client_without_the_control_variate_replies_with_an_error() -
     """Through the real ClientApp: an error reply naming node, algorithm and key."""
     from flwr.app import Context
 
-    from apps.client_app import train
+    from fedaccel.apps.client_app import train
 
     cfg = default_run_config()
     cfg.update({"algo": "scaffold", "clients-per-round": 2})
     context = Context(run_id=1, node_id=7, node_config={"partition-id": 0, "num-partitions": 2},
                       state=RecordDict(), run_config=cfg)
-    from apps.client_app import client_runtime
+    from fedaccel.apps.client_app import client_runtime
     from fedaccel.torch_utils import state_to_arrays
 
     weights = state_to_arrays(client_runtime(context).model)

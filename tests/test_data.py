@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import (
+from fedaccel.data import (
     DATASETS,
     PARTITIONS,
     ClientData,

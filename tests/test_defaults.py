@@ -87,7 +87,7 @@ def test_gc_defaults_match_pyproject(pyproject):
 def test_synthetic_defaults_match_pyproject(pyproject):
     """``synthetic.*`` keys fall back to :class:`SyntheticConfig`'s defaults
     (which are data.DataConfig's): all three say the same."""
-    from data import DataConfig
+    from fedaccel.data import DataConfig
     from fedaccel.config import SyntheticConfig
 
     default = SyntheticConfig()

@@ -227,7 +227,7 @@ def test_disk_client_state_survives_a_supernode_crash_and_restart(tmp_path):
         assert (dep.logs / "supernode-1.log").read_text().count("is gone (a SuperNode restart") == 1
         # The disk state lives under state-dir/run-<id>/client-<partition>, one
         # folder per version (docs/client-state.md); the last round's is pending.
-        from clients.state import DiskState
+        from fedaccel.clients.state import DiskState
 
         (run_dir,) = (tmp_path / "state").iterdir()
         for pid in (0, 1):

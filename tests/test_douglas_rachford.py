@@ -28,9 +28,9 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
-from clients.base import TrainData
-from clients.state import ContextState
+from fedaccel.clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
+from fedaccel.clients.base import TrainData
+from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
@@ -272,8 +272,8 @@ def test_fit_runs_prox_sgd_by_hand():
 # --------------------------------------------------------------------------- #
 def run_on_grid(tmp_path: Path, algo: str, num_clients: int = 6, **overrides):
     """The real ServerApp/ClientApp on a LocalGrid we keep, to read client state."""
-    from apps.client_app import app as client_app
-    from apps.server_app import QUIET, app as server_app
+    from fedaccel.apps.client_app import app as client_app
+    from fedaccel.apps.server_app import QUIET, app as server_app
     from fedaccel.local_grid import LocalGrid
 
     cfg = fuse(default_run_config(), {

@@ -157,12 +157,12 @@ def test_unknown_key_rejected(tmp_path, capsys):
 
 def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch):
     """A client that raises gives an error reply; a round where all fail stops the run."""
-    import clients.base
+    import fedaccel.clients.base
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(clients.base.LocalSolver, "run_epochs", broken)
+    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
     from fedaccel.errors import RoundFailedError
 
     with pytest.raises(RoundFailedError, match="all 3 sampled clients failed.*disk on fire"):
@@ -174,10 +174,10 @@ def test_devices_with_their_own_data_files(tmp_path):
     exported from the rehearsal partitions) and the run completes."""
     from flwr.app import Context, RecordDict
 
-    from apps.client_app import app as client_app
-    from apps.server_app import app as server_app
-    from data import DataConfig
-    from data.device_file import export_partition
+    from fedaccel.apps.client_app import app as client_app
+    from fedaccel.apps.server_app import app as server_app
+    from fedaccel.data import DataConfig
+    from fedaccel.data.device_file import export_partition
     from fedaccel.local_grid import LocalGrid
 
     cfg = small_config(tmp_path, **{"run-name": "files", "accl-every": 0})
@@ -195,8 +195,8 @@ def test_devices_with_their_own_data_files(tmp_path):
 def test_bad_device_file_is_a_clear_client_error(tmp_path):
     import numpy as np
 
-    from data import DataError
-    from data.device_file import load_device_file
+    from fedaccel.data import DataError
+    from fedaccel.data.device_file import load_device_file
 
     np.savez(tmp_path / "bad.npz", x=np.zeros((5, 3), np.float32), y=np.zeros(5, np.int64))
     with pytest.raises(DataError, match=r"x has shape \(5, 3\); dataset='synthetic' needs \(N, 60\)"):
@@ -211,8 +211,8 @@ def test_bad_device_file_is_a_clear_client_error(tmp_path):
 def test_fast_runner_prepares_every_clients_data_before_round_one(tmp_path, monkeypatch):
     """Client tensors are built before the ServerApp starts (as the bare loop of
     bench/overhead.py does), so no round pays for a client's first data prep."""
-    import apps.client_app as client_app
-    import apps.server_app as server_app
+    import fedaccel.apps.client_app as client_app
+    import fedaccel.apps.server_app as server_app
 
     built_before_start = []
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.fedacg import FedACGSolver
+from fedaccel.clients.fedacg import FedACGSolver
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config

@@ -1,4 +1,4 @@
-"""FedAvg / FedAvgM / FedAdam server algebra (``strategies/fedavg.py``,
+"""FedAvg / FedAvgM / FedAdam server algebra (``fedaccel/strategies/fedavg.py``,
 ``fedavgm.py``, ``fedadam.py``) checked against values computed by hand and
 against Flower's own strategies.
 

@@ -47,16 +47,16 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.base import TrainData
-from clients.fednova import A_NORM_KEY, A_NORM_RECORD, FedNovaSolver, a_norm_record, normalizing_factor
-from clients.state import ContextState
+from fedaccel.clients.base import TrainData
+from fedaccel.clients.fednova import A_NORM_KEY, A_NORM_RECORD, FedNovaSolver, a_norm_record, normalizing_factor
+from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.membership import Federation
 from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
 from fedaccel.torch_utils import payload_bytes
-from strategies.fednova import normalized_average
+from fedaccel.strategies.fednova import normalized_average
 
 from fakes import StubGrid, heterogeneous_least_squares, quadratic_local_steps, train_config
 

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
-from clients import foof
-from clients.base import LocalSolver, TrainData
-from clients.fedpm import PRECOND_KEY, FedPMSolver, LocalNewtonSolver, logreg_hessian, with_bias_column
+from fedaccel.clients import foof
+from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.fedpm import PRECOND_KEY, FedPMSolver, LocalNewtonSolver, logreg_hessian, with_bias_column
 from fedaccel.contract import train_config_record
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.torch_utils import payload_bytes
-from models import LogReg
-from strategies.preconditioned_mixing import preconditioned_mix
+from fedaccel.models import LogReg
+from fedaccel.strategies.preconditioned_mixing import preconditioned_mix
 
 
 def run_cfg(**overrides):
@@ -197,7 +197,7 @@ def test_exact_hessian_matches_autograd():
 
 def test_exact_mode_rejects_other_models():
     with pytest.raises(ConfigError, match="logreg"):
-        from strategies.fedpm import check_exact_mode
+        from fedaccel.strategies.fedpm import check_exact_mode
         check_exact_mode(run_cfg(algo="fedpm", model="mlp", **{"fedpm.mode": "exact"}))
 
 
@@ -326,7 +326,7 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
 
 # ------------------------------------------------- FOOF passes per round
 def count_foof(monkeypatch) -> list[int]:
-    """Count calls of clients.foof.compute_foof (the solver calls it through the module)."""
+    """Count calls of fedaccel.clients.foof.compute_foof (the solver calls it through the module)."""
     calls = []
     real = foof.compute_foof
 
@@ -406,7 +406,7 @@ def test_fedpm_clips_the_preconditioned_direction():
 
 
 def test_exact_mode_refuses_clipping():
-    from strategies.fedpm import check_exact_mode
+    from fedaccel.strategies.fedpm import check_exact_mode
 
     for algo in ("fedpm", "localnewton"):
         cfg = run_cfg(algo=algo, model="logreg", **{f"{algo}.mode": "exact", "clip-norm": 1.0,
@@ -420,7 +420,7 @@ def test_exact_mode_refuses_clipping():
 
 # ---------------------------------------- exact mode with several local steps
 def hessian_count(monkeypatch) -> list[int]:
-    import clients.fedpm as module
+    import fedaccel.clients.fedpm as module
 
     calls = []
     real = module.logreg_hessian

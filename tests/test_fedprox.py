@@ -1,6 +1,6 @@
-"""FedProx: the local proximal hook (``clients/fedprox.py``) checked against
+"""FedProx: the local proximal hook (``fedaccel/clients/fedprox.py``) checked against
 values computed by hand, and the ``proximal-mu`` its strategy
-(``strategies/fedprox.py``) sends with every training message."""
+(``fedaccel/strategies/fedprox.py``) sends with every training message."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from clients.base import TrainData
-from clients.fedprox import FedProxSolver
+from fedaccel.clients.base import TrainData
+from fedaccel.clients.fedprox import FedProxSolver
 from fakes import arrays, build, configure, run_cfg, train_config
 from fedaccel.contract import ContractError, train_config_record
 

@@ -22,18 +22,18 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.fedrkmgc import (
+from fedaccel.clients.fedrkmgc import (
     VARIANTS, FedRKMGCSolver, correction_update, fast_km_coefficients, fast_km_update,
     km_coefficients, km_update, paper_round_index, raw_correction, variant_components,
 )
-from clients.state import ContextState
+from fedaccel.clients.state import ContextState
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
-from strategies.base import FedAccelStrategy, Federation
-from strategies.fedavg import FedAvgStrategy
-from strategies.server_steps import RelaxedAggregation, relax
+from fedaccel.strategies.base import FedAccelStrategy, Federation
+from fedaccel.strategies.fedavg import FedAvgStrategy
+from fedaccel.strategies.server_steps import RelaxedAggregation, relax
 
 from fakes import train_config, StubGrid, heterogeneous_least_squares, quadratic_local_steps
 

@@ -1,6 +1,6 @@
 """Gradient centralization (GC-Fed): the pure functions on hand-computed
 tensors, the lambda split on a known model, the config keys, and GC composed
-with another algorithm (FedProx) through clients.composition."""
+with another algorithm (FedProx) through fedaccel.clients.composition."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.base import TrainData
-from clients.fedprox import FedProxSolver
-from clients.gradient_centralization import (
+from fedaccel.clients.base import TrainData
+from fedaccel.clients.fedprox import FedProxSolver
+from fedaccel.clients.gradient_centralization import (
     centralize, gc_partition, global_gc_update, in_layers, local_gc_split,
 )
-from clients.composition import client_gradient_transforms, server_update_transforms
+from fedaccel.clients.composition import client_gradient_transforms, server_update_transforms
 from fedaccel.contract import train_config_record
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm
-from models import build_model
+from fedaccel.models import build_model
 from fedaccel.membership import Federation
 
 from fakes import StubGrid, train_config
@@ -430,7 +430,7 @@ def test_weight_decay_added_by_the_solver_itself_is_not_corrected():
     """FedPM builds its optimizer without decay and adds wd w to p.grad in its
     own transform_gradients (before GC), so the GC transform must not subtract
     anything: on a bare gradient it is P g for both settings."""
-    from clients.composition import optimizer_weight_decay
+    from fedaccel.clients.composition import optimizer_weight_decay
 
     model = torch.nn.Linear(3, 1, bias=False)
     assert optimizer_weight_decay(solver_optimizer(run_cfg("fedpm", **{"weight-decay": 0.1}), model), model) == {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import MODELS, ModelError, build_model, count_parameters, default_model
+from fedaccel.models import MODELS, ModelError, build_model, count_parameters, default_model
 
 # one compatible default input shape (and class count) per model
 DEFAULT_INPUT: dict[str, tuple[tuple[int, ...], int]] = {

@@ -33,8 +33,8 @@ import json, sys
 from fedaccel.registry import algorithm_names
 names = algorithm_names()
 {body}
-loaded = sorted(m.split('.', 1)[1] for m in sys.modules
-                if m.startswith('strategies.') and m.split('.', 1)[1] in names)
+loaded = sorted(m.rsplit('.', 1)[1] for m in sys.modules
+                if m.startswith('fedaccel.strategies.') and m.rsplit('.', 1)[1] in names)
 print(json.dumps({{"names": list(names), "loaded": loaded}}))
 """
 
@@ -44,14 +44,14 @@ print(json.dumps({{"names": list(names), "loaded": loaded}}))
 def test_a_client_imports_only_its_own_algorithm(algo: str) -> None:
     """Listing the names imports no algorithm; a client's setup then imports its own only."""
     body = f"""
-before = sorted(m.split('.', 1)[1] for m in sys.modules
-                if m.startswith('strategies.') and m.split('.', 1)[1] in names)
+before = sorted(m.rsplit('.', 1)[1] for m in sys.modules
+                if m.startswith('fedaccel.strategies.') and m.rsplit('.', 1)[1] in names)
 assert before == [], before
-import apps.client_app as ca
+import fedaccel.apps.client_app as ca
 from fedaccel.local_run import default_run_config
 cfg = default_run_config(); cfg["algo"] = {algo!r}
 solver = ca._shared(ca._freeze(cfg), 4, "").solver
-assert type(solver).__module__.startswith("clients."), type(solver)
+assert type(solver).__module__.startswith("fedaccel.clients."), type(solver)
 """
     out = _fresh_python(LOADED.format(body=body))
     assert out["loaded"] == [algo]

@@ -22,20 +22,20 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
-from clients.scaffold import (
+from fedaccel.clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
+from fedaccel.clients.scaffold import (
     C_RECORD, DC_RECORD, ScaffoldSolver, control_variate_record, corrected_gradient,
     option_ii_control_variate, received_control_variate,
 )
-from clients.state import ContextState
+from fedaccel.clients.state import ContextState
 from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
 from fedaccel.torch_utils import payload_bytes
 from fedaccel.membership import Federation
-from strategies.feddyn import h_update, server_model
-from strategies.scaffold import control_step, model_step
+from fedaccel.strategies.feddyn import h_update, server_model
+from fedaccel.strategies.scaffold import control_step, model_step
 
 from fakes import train_config, StubGrid, heterogeneous_least_squares, quadratic_local_steps
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from clients.scaffold import DC_RECORD
+from fedaccel.clients.scaffold import DC_RECORD
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config
 from fedaccel.registry import get_algorithm

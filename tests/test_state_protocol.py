@@ -2,7 +2,7 @@
 
 A stateful client's new state is pending until the server's next message
 says the reply of that round was applied (``accepted-round``); otherwise it
-is rolled back. The unit tests drive :class:`clients.state.VersionedState`
+is rolled back. The unit tests drive :class:`fedaccel.clients.state.VersionedState`
 directly; the run tests drive the real ServerApp and ClientApp on the fast
 runner's in-process Grid with injected faults (a lost reply, a late reply
 past the round timeout, a reply rejected as non-finite, a client that dies
@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
-from apps.client_app import app as client_app
-from clients.state import ContextState, DiskState, VersionedState, state_run_dir
+from fedaccel.apps.client_app import app as client_app
+from fedaccel.clients.state import ContextState, DiskState, VersionedState, state_run_dir
 from fedaccel.run_config import parse_run_config
 from fedaccel.experiment import Experiment, discover_federation
 from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid

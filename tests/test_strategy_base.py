@@ -1,4 +1,4 @@
-"""The strategy mixin every algorithm shares (``strategies/base.py``,
+"""The strategy mixin every algorithm shares (``fedaccel/strategies/base.py``,
 ``FedAccelStrategy``): replies ordered before aggregation, byte and failure
 accounting, seeded sampling and ``configure_train``, the evaluation (ACCL)
 path, and malformed replies rejected instead of aggregated.

@@ -1,0 +1,222 @@
+"""The one local training loop every algorithm shares.
+
+:class:`LocalSolver` is FedAvg's client (McMahan et al. 2017): ``local-epochs``
+passes of mini-batch SGD (momentum, weight decay) on the cross-entropy of the
+client's training split, starting from the received global model, returning
+the last iterate. Algorithms change it through small hooks instead of copying
+the loop (the FL-bench pattern):
+
+- :meth:`begin_round`: read the received model/config/state before training;
+- :meth:`local_training`: the round's local steps (default: :meth:`run_epochs`,
+  the shared SGD loop; FedPM's exact Newton mode replaces it);
+- :meth:`transform_gradients`: edit ``p.grad`` after ``backward()`` and before
+  ``optimizer.step()`` (proximal pulls, gradient corrections, centralization);
+- :meth:`end_round`: extra records to upload and state to keep;
+- :meth:`upload`: what replaces the weights in the reply (default: the
+  weights themselves; Douglas-Rachford methods send a model difference).
+
+What a solver adds to the training messages (ArrayRecords either way, config
+values) is declared once in its :attr:`LocalSolver.messages`
+(:class:`fedaccel.contract.MessageContract`); :meth:`LocalSolver.fit` checks
+the received message and the reply against it, and the strategy checks the
+same object on the server.
+
+Per-client tensors that must survive between rounds go through the
+:class:`fedaccel.clients.state.ClientState` given to every hook; ``state_copies``
+declares how many model-sized tensors a solver keeps per client (used to
+size the store and to document memory).
+
+Because hooks act on ``p.grad`` before the optimizer step, whatever they add
+goes through momentum and weight decay exactly like the task gradient.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord
+from flwr.common import log
+
+from fedaccel.clients.composition import client_gradient_transforms
+from fedaccel.clients.state import ClientState
+from fedaccel.data import random_crop_flip
+from fedaccel.config import RunConfig
+from fedaccel.contract import NO_EXTRAS, TrainConfig
+from fedaccel.torch_utils import state_to_arrays
+
+
+@dataclass
+class TrainData:
+    """A client's training split as tensors on the training device."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    augment: bool = False
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class LocalResult:
+    """What a client sends back: weights, metrics and optional extra records."""
+
+    arrays: ArrayRecord
+    metrics: dict[str, float | int]
+    extra: dict[str, ArrayRecord] = field(default_factory=dict)
+
+
+class LocalSolver:
+    """FedAvg's local SGD; subclasses override the hooks, never the loop."""
+
+    state_copies = 0  # model-sized tensors kept per client between rounds
+    messages = NO_EXTRAS  # FedAvg adds nothing to the common messages
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.params = cfg.algo_params
+        # x0, the run's initial global model (seeded, so every client rebuilds
+        # exactly the server's); set by the ClientApp before the first round.
+        self.initial_model: OrderedDict[str, torch.Tensor] | None = None
+        # ArrayRecords the server sent beside the model this round (e.g.
+        # SCAFFOLD's control variate), set by fit() before begin_round.
+        self.received: dict[str, ArrayRecord] = {}
+
+    # ----------------------------------------------------------------- hooks
+    def begin_round(
+        self, model: torch.nn.Module, config: TrainConfig, state: ClientState
+    ) -> None:
+        """Called with the received global weights already loaded into ``model``."""
+
+    def local_training(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator,
+                       lr: float, epochs: int) -> dict[str, float | int]:
+        """The round's local steps from the weights in ``model``; returns
+        ``train-loss`` and ``local-steps`` (default: :meth:`run_epochs`)."""
+        return self.run_epochs(model, data, generator, lr, epochs)
+
+    def transform_gradients(self, model: torch.nn.Module) -> None:
+        """Edit ``p.grad`` in place after backward, before the optimizer step."""
+
+    def end_round(
+        self, model: torch.nn.Module, state: ClientState
+    ) -> dict[str, ArrayRecord]:
+        """Extra ArrayRecords to upload beside the weights (none for FedAvg)."""
+        return {}
+
+    def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
+        """The reply's ``arrays``: the trained weights (FedAvg's last iterate)."""
+        return state_to_arrays(model)
+
+    # ------------------------------------------------------------------ loop
+    def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        """Plain SGD with the run's momentum and weight decay, fresh every round."""
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=self.cfg.momentum,
+            weight_decay=self.cfg.weight_decay,
+        )
+
+    def run_epochs(
+        self,
+        model: torch.nn.Module,
+        data: TrainData,
+        generator: torch.Generator,
+        lr: float,
+        epochs: int,
+    ) -> dict[str, float | int]:
+        """``epochs`` shuffled passes of mini-batch SGD; returns loss and step count.
+
+        Each step: ``backward()``, :meth:`transform_gradients`, the composed
+        transforms (local GC), then, if ``clip-norm > 0``, the total norm of
+        all parameters' gradients is clipped to ``clip-norm``
+        (``torch.nn.utils.clip_grad_norm_``), then ``optimizer.step()``. So the
+        clip acts on the gradient the optimizer steps with (FedProx's prox
+        pull, SCAFFOLD's correction and FedPM's preconditioned direction
+        included), before momentum and before the optimizer's own weight decay.
+        """
+        model.train()
+        optimizer = self.make_optimizer(model, lr)
+        composed = client_gradient_transforms(self.cfg, model, optimizer)
+        clip_norm = float(getattr(self.cfg, "clip_norm", 0.0))
+        params = [p for p in model.parameters() if p.requires_grad]
+        n, bs = data.num_examples, self.cfg.batch_size
+        loss_sum = torch.zeros((), device=data.x.device)
+        seen, steps = 0, 0
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator).to(data.x.device)
+            for start in range(0, n, bs):
+                idx = order[start:start + bs]
+                xb, yb = data.x[idx], data.y[idx]
+                if data.augment:
+                    xb = random_crop_flip(xb, generator)
+                optimizer.zero_grad(set_to_none=False)
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                self.transform_gradients(model)
+                for transform in composed:
+                    transform(model)
+                if clip_norm > 0:
+                    # Clips what the optimizer steps with (after every transform):
+                    # the corrected / preconditioned gradient, torch's convention.
+                    torch.nn.utils.clip_grad_norm_(params, clip_norm)
+                optimizer.step()
+                loss_sum += loss.detach() * yb.shape[0]
+                seen += int(yb.shape[0])
+                steps += 1
+        train_loss = float(loss_sum) / max(seen, 1)
+        return {"train-loss": train_loss, "local-steps": steps}
+
+    def fit(
+        self,
+        model: torch.nn.Module,
+        data: TrainData,
+        config: dict[str, Any],
+        state: ClientState,
+        generator: torch.Generator,
+        received: dict[str, ArrayRecord] | None = None,
+    ) -> LocalResult:
+        """One round of local training from the weights already in ``model``;
+        ``received`` holds the message's ArrayRecords other than the model."""
+        algo, stateful = self.cfg.algo, self.state_copies > 0
+        train = self.messages.read_train_config(algo, config, stateful)
+        self.received = dict(received or {})
+        self.messages.check_records(algo, "to_client", self.received)
+        state_lost = False
+        if stateful:
+            state_lost = self._resolve_state(train, state)
+            state.begin(train.server_round)
+        self.begin_round(model, train, state)
+        metrics = self.local_training(model, data, generator, train.lr, train.local_epochs)
+        extra = self.end_round(model, state)
+        self.messages.check_records(algo, "to_server", extra)
+        result_arrays = self.upload(model, state)
+        if stateful:
+            state.seal()  # pending until the server's next message says it applied this reply
+        metrics["num-examples"] = data.num_examples
+        if state_lost:
+            metrics["state-lost"] = 1
+        return LocalResult(arrays=result_arrays, metrics=metrics, extra=extra)
+
+    @staticmethod
+    def _resolve_state(config: TrainConfig, state: ClientState) -> bool:
+        """The commit protocol's client half (docs/client-state.md): commit the
+        state of the last round if the server applied its reply
+        (``accepted-round``), roll it back otherwise. Returns True when the
+        state the server counts on is gone (then training restarts from the
+        initial state, reported as ``state-lost``)."""
+        accepted = config.accepted_round
+        outcome = state.resolve(accepted)
+        if outcome == "rolled-back":
+            log(INFO, "[fedaccel] round %s: the server did not apply this client's last reply "
+                "(lost, late or rejected); its state is rolled back to round %s",
+                config.server_round, accepted)
+        elif outcome == "lost":
+            log(WARNING, "[fedaccel] this client's state of round %s is gone (a SuperNode restart "
+                "with client-state='context'?); starting again from the initial state. Use "
+                "client-state='disk' to keep state across restarts.", accepted)
+        return outcome == "lost"

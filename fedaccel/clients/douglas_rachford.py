@@ -1,0 +1,149 @@
+"""Douglas-Rachford local solver shared by FedCDR and FedDR.
+
+FedCDR ("Mitigating Data Heterogeneity Effect in Client-Reshuffling-Based
+Federated Learning", anonymous, under double-blind review), Algorithm 1,
+line 7: a selected client ``i`` receiving the server model ``x`` does
+
+    y_i    <- y_i + alpha (x - x_i)              (relax)
+    x_i    ~= prox_{eta f_i}(y_i)                 (inexact prox, SGD)
+    xhat'  =  2 x_i - y_i                         (reflect)
+    g_i    =  xhat' - xhat_i ;  xhat_i <- xhat'   (sent to the server)
+
+and the server (lines 8-9) does ``x <- x + (1/n) sum_{i in S} g_i`` with
+``n`` the total number of clients; appendix A derives this from
+``x = (1/n) sum_i xhat_i`` (eq. 17), which it keeps as long as it held
+before the round. FedDR (Tran-Dinh, Pham, Phan, Nguyen, NeurIPS 2021,
+arXiv:2103.03452) has the same client rule.
+
+The prox is solved inexactly by ``local-epochs`` of SGD on
+``f_i(z) + 1/(2 eta) ||z - y_i||^2`` (section 6.1 and appendix G.2: SGD,
+10 epochs, momentum 0.9, weight decay 5e-4). The proximal gradient
+``(z - y_i) / eta`` is added to ``p.grad`` before the optimizer step, so the
+momentum buffer accumulates it together with the task gradient and the
+weight-decay term ``weight-decay * z`` that SGD adds to the gradient.
+
+``prox-start`` says where the SGD prox solver starts. ``server`` (the
+default) starts from the received model ``x``, which is what FedCDR's
+appendix K (notation) describes: clients "perform several local
+proximal-gradient iterations starting from x_r^t". ``local`` warm-starts
+from the client's previous ``x_i`` (x0 before its first training), as the
+public FedDR code does (``Client_DR.set_params`` loads a received model
+into the client's model only on its first call, the round-0 evaluation
+with x0, so every later prox solve continues from the client's own x_i). On Synthetic-(1,1) ``local`` stays at the
+majority class (12-14 % at eta 10/100/1000) while ``server`` reaches 70-74 %
+(docs/fedcdr.md, sweep at 100 rounds).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TypeVar
+
+import torch
+from flwr.app import ArrayRecord
+
+from fedaccel.clients.base import LocalSolver
+from fedaccel.clients.state import ClientState, flat_groups, read_groups
+from fedaccel.contract import TrainConfig
+from fedaccel.arrays import tensors_to_record
+
+T = TypeVar("T")
+
+
+def relax(y: T, x_server: T, x_local: T, alpha: float) -> T:
+    """``y + alpha (x - x_i)`` (Algorithm 1, line 7, first update)."""
+    return y + alpha * (x_server - x_local)  # type: ignore[operator]
+
+
+def reflect(x_local: T, y: T) -> T:
+    """``xhat = 2 x_i - y`` (Algorithm 1, line 7, third update)."""
+    return 2 * x_local - y  # type: ignore[operator]
+
+
+def server_step(x: T, g_sum: T, num_clients: int) -> T:
+    """``x + (1/n) sum_{i in S} g_i`` with ``n`` all clients (Algorithm 1, lines 8-9)."""
+    return x + g_sum / num_clients  # type: ignore[operator]
+
+
+def initial_state(initial_model: OrderedDict[str, torch.Tensor] | None,
+                  received: OrderedDict[str, torch.Tensor], init: str) -> tuple[
+                      OrderedDict[str, torch.Tensor], OrderedDict[str, torch.Tensor],
+                      OrderedDict[str, torch.Tensor]]:
+    """``(y_i, x_i, xhat_i)`` of a client that has not trained yet (new tensors).
+
+    ``init='model'``: all three are x0, the run's initial model (rebuilt from
+    the seed by the ClientApp), also for a client first selected in a later
+    round, whatever model it receives then. This is FedCDR's main text
+    ("we initialize both the server and clients at the same point x^0") and
+    the initial state its proofs use (``x_{i,0}^0 = x_0^0 = x^0``, appendix B
+    eq. 63 and appendix C eq. 103). Appendix A's initialization instead sets
+    ``y_{i,0} = x^0``, ``x_{i,0} = prox_{eta f_i}(y_{i,0})``,
+    ``xhat_{i,0} = 2 x_{i,0} - y_{i,0}``: that costs one prox solve on every
+    client before round 1, and with the server at ``x_0^0 = x^0`` it breaks
+    the ``x = mean_i xhat_i`` its own derivation of the server step needs
+    (unless ``prox_{eta f_i}(x^0) = x^0`` for all i). We do not follow it.
+    With ``x_i = y_i = x0`` the reflection gives ``xhat_i = 2 x0 - x0 = x0``,
+    so the server's x0 is the mean of all initial ``xhat_i``.
+
+    ``init='zeros'``: the public FedDR code (``Client_DR.__init__`` in
+    ``FedDR/flearn/models/client_dr.py``): ``y_i = xhat_i = 0`` while ``x_i``,
+    the client's model, starts at x0 (every model there is built with the same
+    seed and is loaded with the server's initial model before round 1). The
+    server's model stays x0, as in the FedDR code; only its first aggregation
+    starts from the mean of the initial ``xhat_i``, zero
+    (:meth:`fedaccel.strategies.douglas_rachford.DouglasRachfordStrategy.combine`).
+    """
+    if initial_model is None:
+        raise RuntimeError("the ClientApp must set solver.initial_model (x0) before training")
+    x0 = OrderedDict((k, initial_model[k].to(received[k].device)) for k in received)
+
+    def copy() -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, v.clone()) for k, v in x0.items())
+
+    def zeros() -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, torch.zeros_like(v)) for k, v in x0.items())
+
+    if init == "zeros":
+        return zeros(), copy(), zeros()
+    return copy(), copy(), copy()
+
+
+class DouglasRachfordSolver(LocalSolver):
+    """Inexact-prox DR client; params ``eta``, ``alpha``, ``prox_start``, ``init``.
+
+    State per client (``dr``): ``y``, ``x`` (= x_i) and ``xhat``, one tensor each
+    per model entry, created the first time the client is selected
+    (:func:`initial_state`).
+    """
+
+    state_copies = 3
+
+    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
+        device = next(model.parameters()).device
+        # the model's own tensors, read before training starts: relax() makes new ones
+        received = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())
+        saved = read_groups(state, "dr", ("y", "x", "xhat"), list(received), device)
+        if saved is None:
+            y, x_local, xhat = initial_state(self.initial_model, received, self.params.init)
+        else:
+            y, x_local, xhat = saved["y"], saved["x"], saved["xhat"]
+        alpha = float(self.params.alpha)
+        self.y = OrderedDict((k, relax(y[k], received[k], x_local[k], alpha)) for k in received)
+        self.xhat = xhat
+        self.inv_eta = 1.0 / float(self.params.eta)
+        if self.params.prox_start == "local":
+            model.load_state_dict(x_local)
+        names = dict(model.named_parameters())
+        self._pairs = [(p, self.y[name]) for name, p in names.items()]
+
+    def transform_gradients(self, model: torch.nn.Module) -> None:
+        for p, y in self._pairs:
+            p.grad.add_(p.detach() - y, alpha=self.inv_eta)
+
+    def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
+        x_new = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())  # put() copies
+        xhat_new = OrderedDict((k, reflect(x_new[k], self.y[k])) for k in x_new)
+        g = OrderedDict((k, (xhat_new[k] - self.xhat[k]).cpu()) for k in x_new)
+        state.put("dr", flat_groups({"y": self.y, "x": x_new, "xhat": xhat_new}))
+        self._pairs = []
+        return tensors_to_record(g)

@@ -1,0 +1,407 @@
+"""Server-side machinery shared by every algorithm.
+
+:class:`FedAccelStrategy` is a mixin placed before Flower's ``FedAvg`` (or
+``FedProx``, which adds ``proximal-mu`` to the training config) in the MRO.
+It takes over ``aggregate_train`` (the three stages below) and adds what
+Flower's strategies lack:
+
+- seeded client sampling by *partition id* (Flower's FedAvg samples node ids
+  with Python's unseeded global ``random``, and node ids change every run), so
+  the same seed trains the same clients in the Ray simulation, on real
+  SuperNodes and in the fast runner;
+- replies ordered by partition id before aggregation, so floating-point sums
+  are identical whatever order replies arrive in;
+- truthful communication accounting (serialized bytes of every ArrayRecord
+  sent for training and received back);
+- ACCL: the unweighted mean over clients of the global model's accuracy on
+  each client's local test split (FedRKMGC paper, "Evaluation Metrics");
+- a client's error reply logged once per run as one line naming the node,
+  its partition and the cause (:class:`fedaccel.client_errors.ClientErrorLog`),
+  and a clear stop, with those causes, when every client of a round failed;
+- a partition whose SuperNode comes back under a new node id (a restart
+  without SuperNode authentication) is followed to the new id
+  (:class:`fedaccel.membership.NodeMembership`);
+- every message checked against the algorithm's message contract
+  (:mod:`fedaccel.contract`).
+
+The machinery it uses lives below the algorithms, once: Grid views
+(:mod:`fedaccel.grids`), membership (:mod:`fedaccel.membership`), error
+reports (:mod:`fedaccel.client_errors`), ACCL and per-round facts
+(:mod:`fedaccel.metrics`).
+
+A round's replies become the new global model in three stages, the same for
+every algorithm: :meth:`FedAccelStrategy.combine` aggregates them into one
+model (default: Flower's FedAvg example-weighted mean, computed by
+:func:`fedaccel.strategies.server_steps.weighted_mean_of_replies`, i.e. :func:`fedaccel.arrays.mean_of_records`, bit-identical to
+Flower's ``aggregate_arrayrecords``); the update transforms of
+:mod:`fedaccel.clients.composition` (global GC) edit the aggregated update; then
+:meth:`FedAccelStrategy.server_step` (momentum, Adam, relaxation, FedACG)
+turns it into the new model. Server optimizers are written as this hook,
+not taken from Flower's ``FedAvgM``/``FedAdam``, because Flower's
+``aggregate_train`` fuses the mean and the step and leaves no point at which
+GC-Fed's projection can act before the step's state is updated.
+
+Selection works by handing Flower's ``configure_train`` a :class:`fedaccel.grids.NodeSubset`
+grid whose ``get_node_ids()`` returns only the chosen nodes, with
+``fraction_train = 1``: Flower then builds one message per chosen node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedaccel.clients.composition import server_update_transforms
+from fedaccel.arrays import from_numpy, to_numpy
+from fedaccel.client_errors import ClientErrorLog
+from fedaccel.config import RunConfig
+from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
+from fedaccel.errors import RoundFailedError
+from fedaccel.grids import NodeSubset
+from fedaccel.membership import Federation, NodeMembership
+from fedaccel.metrics import RoundLog, mean_client_accuracy
+from fedaccel.samplers import cohort as sample_partitions
+from fedaccel.torch_utils import derive_seed, payload_bytes
+from fedaccel.strategies.server_steps import weighted_mean_of_replies
+
+
+class FedAccelStrategy:
+    """Mixin: put it first, e.g. ``class S(FedAccelStrategy, FedAvg)``.
+
+    Subclasses (algorithms) may override :meth:`sample_cohort` (which clients
+    train) and :meth:`round_config` (extra values sent to clients).
+
+    :attr:`messages` is the algorithm's message contract: the *same object*
+    as its solver's :attr:`fedaccel.clients.base.LocalSolver.messages` (a strategy
+    that adds records says ``messages = MySolver.messages``; a test checks
+    every registered pair). Training messages are checked against it before
+    they are sent, replies before they are aggregated.
+    """
+
+    messages = NO_EXTRAS
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation, **kwargs: Any) -> None:
+        kwargs.setdefault("evaluate_metrics_aggr_fn", mean_client_accuracy)
+        super().__init__(  # type: ignore[call-arg]
+            fraction_train=1.0,
+            fraction_evaluate=1.0,
+            min_train_nodes=1,
+            min_evaluate_nodes=1,
+            min_available_nodes=1,
+            **kwargs,
+        )
+        self.run_cfg = run_cfg
+        self.federation = federation
+        self.cohort_size = run_cfg.cohort_size(federation.num_clients)
+        self.sampler = run_cfg.sampler  # 'auto' resolved by the reader (fedaccel.run_config)
+        self.straggler_policy = run_cfg.straggler_policy
+        self.rounds: dict[int, RoundLog] = {}
+        self.global_arrays: ArrayRecord | None = None  # the model sent this round
+        self.stateful = run_cfg.stateful_clients
+        self.update_transforms = server_update_transforms(run_cfg)  # f(sent, aggregate) -> aggregate
+        # The commit protocol's server half (docs/client-state.md): the last
+        # round whose reply of each partition was applied to the server's
+        # model and state; sent to stateful clients as ``accepted-round``.
+        self.accepted_round: dict[int, int] = {}
+        self.membership = NodeMembership(federation, query_timeout=min(run_cfg.round_timeout, 120.0))
+        # error replies: logged once each, repeats counted at the end of the run
+        self.client_errors = ClientErrorLog(lambda: federation.partition_of_node, run_cfg.num_server_rounds)
+
+    # ------------------------------------------------------------- hooks
+    def sample_cohort(self, server_round: int) -> list[int]:
+        """Partition ids that train this round (``sampler``: uniform or reshuffle)."""
+        return sample_partitions(self.sampler, self.run_cfg.seed, server_round,
+                                 self.federation.num_clients, self.cohort_size)
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """Values every client gets with its training message this round."""
+        return {"lr": self.run_cfg.lr_at(server_round), "local-epochs": self.run_cfg.local_epochs}
+
+    def choose_stragglers(self, server_round: int, cohort: list[int]) -> dict[int, int]:
+        """FedCDR appendix F.3: ``straggler-fraction`` of the cohort (rounded) does
+        a number of local epochs drawn uniformly from 1..``local-epochs``."""
+        count = int(round(self.run_cfg.straggler_fraction * len(cohort)))
+        if count == 0:
+            return {}
+        rng = np.random.default_rng(derive_seed(self.run_cfg.seed, server_round, "stragglers"))
+        chosen = rng.choice(len(cohort), size=count, replace=False)
+        epochs = rng.integers(1, self.run_cfg.local_epochs + 1, size=count)
+        return {cohort[int(i)]: int(e) for i, e in zip(sorted(chosen), epochs)}
+
+    def broadcast_arrays(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """The model sent to clients (hook; FedACG sends a lookahead point)."""
+        return arrays
+
+    def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Extra ArrayRecords sent to every client with the model (hook;
+        e.g. SCAFFOLD's server control variate). Counted in bytes_down."""
+        return {}
+
+    def _client_updates(self, partition: int, log_: RoundLog) -> dict[str, Any]:
+        """Per-client config values: a straggler's epochs; for stateful algorithms,
+        ``accepted-round``, the last round whose reply of this client the server
+        applied (0 = none), so the client commits or rolls back its state."""
+        updates: dict[str, Any] = {}
+        if partition in log_.stragglers:
+            updates["local-epochs"] = log_.stragglers[partition]
+        if self.stateful:
+            updates["accepted-round"] = self.accepted_round.get(partition, 0)
+        return updates
+
+    def initial_model(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The model of round 1, given the seeded initial model (hook)."""
+        return arrays
+
+    def sent_model(self) -> ArrayRecord:
+        """The global model this round's training messages carried."""
+        if self.global_arrays is None:
+            raise RuntimeError(f"{type(self).__name__}: no model was sent yet "
+                               "(aggregate_train before configure_train)")
+        return self.global_arrays
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate the valid replies into one model, *before* any server step
+        (hook; default: Flower's FedAvg example-weighted mean, computed on
+        zero-copy views). ``self.global_arrays`` is the model that was sent, so
+        ``aggregate - global_arrays`` is the round's aggregated update.
+
+        Contract: a combine that updates server state from the replies (SCAFFOLD's
+        ``c``, FedDyn's ``h``) must use every reply it is given and return a
+        model: the replies passed here are the ones recorded as applied
+        (``accepted_round``), which clients then commit."""
+        valid, _ = self._check_and_log_replies(replies, is_train=True)  # type: ignore[attr-defined]
+        if not valid:
+            return None, None
+        contents = [m.content for m in valid]
+        arrays = weighted_mean_of_replies(contents, self.weighted_by_key)  # type: ignore[attr-defined]
+        return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)  # type: ignore[attr-defined]
+
+    def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
+        """The new global model from the round's aggregate (hook; default: the
+        aggregate itself, FedAvg's ``x <- x + mean update``).
+
+        Server optimizers (momentum, Adam, relaxation, FedACG's lookahead
+        momentum) override this. ``aggregate`` has already been through the
+        update transforms (global GC), so every server state (momentum buffers,
+        Adam moments) is built from the transformed update, as GC-Fed's
+        Algorithm 1 (lines 13-15) centralizes the aggregated update before the
+        server uses it.
+        """
+        return aggregate
+
+    # ------------------------------------------------------------ training
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self.membership.follow_restarted_nodes(grid)
+        cohort = self.sample_cohort(server_round)
+        log_ = self.rounds.setdefault(server_round, RoundLog())
+        log_.sampled = list(cohort)
+        log_.stragglers = self.choose_stragglers(server_round, cohort)
+        config = ConfigRecord({**dict(config), **self.round_config(server_round)})
+        view = NodeSubset(grid, [self.federation.node_of_partition[p] for p in cohort])
+        arrays = self.broadcast_arrays(server_round, arrays)
+        self.global_arrays = arrays
+        self._sent_dtypes = {key: array.dtype for key, array in arrays.items()}
+        messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
+        extra = self.broadcast_records(server_round)
+        if extra:
+            messages = [_with_records(m, extra) for m in messages]
+        if log_.stragglers or self.stateful:
+            pid = self.federation.partition_of_node
+            messages = [_with_config(m, updates) if (updates := self._client_updates(pid[m.metadata.dst_node_id],
+                                                                                     log_)) else m
+                        for m in messages]
+        for m in messages:
+            self._check_outgoing(m)
+        log_.bytes_down += sum(_message_bytes(m) for m in messages)
+        return messages
+
+    def _check_outgoing(self, message: Message) -> None:
+        """A training message matches :attr:`messages` (a mismatch is a bug in
+        the strategy: :class:`fedaccel.contract.ContractError`)."""
+        content = message.content
+        self.messages.check_records(self.run_cfg.algo, "to_client", content.array_records.keys())
+        self.messages.check_config_keys(self.run_cfg.algo, content.config_records[CONFIG_RECORD].keys(),
+                                        self.stateful)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = self._ordered(replies)
+        ok = []
+        log_ = self.rounds.setdefault(server_round, RoundLog())
+        for m in replies:
+            problem = None if m.has_error() else self.reply_problem(m)
+            if problem is not None:
+                log(WARNING, "round %s: rejected the reply of node %s: %s",
+                    server_round, m.metadata.src_node_id, problem)
+                log_.rejected += 1
+            elif not m.has_error():
+                ok.append(m)
+        log_.replies = len(ok)
+        log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
+        log_.bytes_up += sum(_message_bytes(m) for m in ok)
+        new_causes = self.client_errors.report(server_round, replies)
+        if not ok:
+            reasons = self.client_errors.causes(replies)
+            if log_.rejected:
+                reasons.append(f"{log_.rejected} malformed replies rejected")
+            if len(replies) < len(log_.sampled):
+                reasons.append(f"{len(log_.sampled) - len(replies)} gave no reply within "
+                               f"round-timeout={self.run_cfg.round_timeout:g} s")
+            reasons = "; ".join(reasons)
+            raise RoundFailedError(
+                f"round {server_round}: all {len(log_.sampled)} sampled clients failed "
+                f"({reasons or 'no reply before the timeout'})"
+            )
+        if log_.failures:
+            errors = sum(m.has_error() for m in replies)
+            # a round whose only failures are errors already reported: no new warning
+            known = errors == log_.failures and not new_causes
+            log(INFO if known else WARNING,
+                "round %s: %s of %s sampled clients failed, were rejected or did not "
+                "reply in time; aggregating the other %s", server_round, log_.failures,
+                len(log_.sampled), len(ok))
+        pid_of = self.federation.partition_of_node
+        for m in ok:
+            metrics_in = next(iter(m.content.metric_records.values()))
+            if "state-lost" in metrics_in:
+                log_.state_lost += 1
+                log(WARNING, "round %s: client %s had lost its %s state (SuperNode restart with "
+                    "client-state='context'?); it restarted from the initial state, so the "
+                    "algorithm's invariants no longer hold exactly. Use client-state='disk'.",
+                    server_round, pid_of.get(m.metadata.src_node_id), self.run_cfg.algo)
+        if log_.stragglers and self.straggler_policy == "drop":
+            kept = [m for m in ok if pid_of.get(m.metadata.src_node_id) not in log_.stragglers]
+            log_.dropped = len(ok) - len(kept)
+            ok = kept
+            if not ok:
+                log(WARNING, "round %s: every reply came from a straggler and was dropped "
+                    "(straggler-policy='drop'); the model is unchanged", server_round)
+                return None, None
+        # aggregate -> update transforms (global GC) -> server step: every server
+        # state is built from the transformed update (see server_step)
+        arrays, metrics = self.combine(server_round, ok)
+        if arrays is not None:
+            for transform in self.update_transforms:
+                arrays = transform(self.global_arrays, arrays)
+            arrays = self._keep_dtypes(self.server_step(server_round, arrays))
+            for m in ok:  # applied: these clients commit this round's state next time
+                self.accepted_round[pid_of[m.metadata.src_node_id]] = server_round
+        if metrics is not None and "train-loss" in metrics:
+            log_.train_loss = float(metrics["train-loss"])
+        return arrays, metrics
+
+    # ---------------------------------------------------------- evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if not self.run_cfg.is_accl_round(server_round):
+            return []
+        view = NodeSubset(grid, [self.federation.node_of_partition[p]
+                                 for p in sorted(self.federation.node_of_partition)])
+        return super().configure_evaluate(server_round, arrays, config, view)  # type: ignore[misc]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        replies = self._ordered(replies)
+        self.client_errors.report(server_round, replies, " (evaluate)")
+        # error replies are reported above, once per cause; Flower's FedAvg would
+        # log each one's full reason again every ACCL round
+        ok = [m for m in replies if not m.has_error()]
+        metrics = super().aggregate_evaluate(server_round, ok)  # type: ignore[misc]
+        if metrics is not None and "accl" in metrics:
+            self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
+        return metrics
+
+    def reply_problem(self, reply: Message) -> str | None:
+        """Why a training reply must not be aggregated, or None if it is sound.
+
+        Checks what every algorithm's replies share: an ``arrays`` record with
+        exactly the keys and shapes of the model that was sent, exactly the
+        extra records :attr:`messages` declares, a metrics
+        record with a positive ``num-examples``, and only finite numbers in
+        every ArrayRecord. A malformed, oversized or NaN reply is rejected
+        with a logged reason instead of corrupting the global model.
+        """
+        content = reply.content
+        if MODEL_RECORD not in content.array_records:
+            return f"no {MODEL_RECORD!r} record"
+        extra = self.messages.records_problem(self.run_cfg.algo, "to_server", content.array_records.keys())
+        if extra is not None:
+            return extra
+        arrays = content.array_records[MODEL_RECORD]
+        sent = self.global_arrays
+        if sent is not None:
+            if list(arrays.keys()) != list(sent.keys()):
+                return f"array keys {sorted(arrays.keys())[:4]}... differ from the model's"
+            for key, array in arrays.items():
+                if tuple(array.shape) != tuple(sent[key].shape):
+                    return f"array {key!r} has shape {tuple(array.shape)}, expected {tuple(sent[key].shape)}"
+        metrics = next(iter(content.metric_records.values()), None)
+        if metrics is None or "num-examples" not in metrics:
+            return "no metrics record with 'num-examples'"
+        if not float(metrics["num-examples"]) > 0:
+            return f"num-examples={metrics['num-examples']}"
+        for name, record in content.array_records.items():
+            for key, array in record.items():
+                values = to_numpy(array)
+                if values.dtype.kind in "fc" and not np.isfinite(values).all():
+                    return f"non-finite values in {name}/{key}"
+        return None
+
+    # ------------------------------------------------------------- helpers
+    def _keep_dtypes(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Cast the new global model back to the dtypes that were sent.
+
+        Flower's FedOpt family computes with NumPy float64 scalars, which (NumPy
+        2 promotion rules) turns a float32 model into float64 and doubles every
+        later download. Clients train in the model's own dtype anyway.
+        """
+        sent = getattr(self, "_sent_dtypes", {})
+        if all(sent.get(k, a.dtype) == a.dtype for k, a in arrays.items()):
+            return arrays
+        return ArrayRecord({
+            k: from_numpy(to_numpy(a).astype(sent[k])) if k in sent and sent[k] != a.dtype else a
+            for k, a in arrays.items()
+        })
+
+    def _ordered(self, replies: Iterable[Message]) -> list[Message]:
+        """Replies sorted by the sender's partition id (deterministic sums)."""
+        pid = self.federation.partition_of_node
+        return sorted(replies, key=lambda m: pid.get(m.metadata.src_node_id, -1))
+
+    def summary(self) -> None:
+        log(INFO, "\t├──> fedaccel: algo=%s, %s of %s clients per round, seeded sampling",
+            self.run_cfg.algo, self.cohort_size, self.federation.num_clients)
+        super().summary()  # type: ignore[misc]
+
+
+def _message_bytes(message: Message) -> int:
+    content: RecordDict = message.content
+    return sum(payload_bytes(rec) for rec in content.array_records.values())
+
+
+def _with_config(message: Message, updates: dict[str, Any]) -> Message:
+    """A copy of a training message whose ConfigRecord has ``updates`` applied.
+
+    Flower's FedAvg gives every message the same RecordDict object, so a
+    per-client value needs a new RecordDict (the arrays are shared, not copied).
+    """
+    content = message.content
+    records = {k: v for k, v in content.items() if k != "config"}
+    records["config"] = ConfigRecord({**dict(content.config_records["config"]), **updates})
+    return Message(RecordDict(records), message.metadata.dst_node_id, message.metadata.message_type)
+
+
+def _with_records(message: Message, records: dict[str, ArrayRecord]) -> Message:
+    """A copy of a training message with extra records added (arrays shared)."""
+    content = dict(message.content.items())
+    content.update(records)
+    return Message(RecordDict(content), message.metadata.dst_node_id, message.metadata.message_type)

@@ -1,0 +1,72 @@
+"""FedPM (federated preconditioned mixing): second-order local steps, preconditioned mixing.
+
+Paper: "FedPM: Federated Learning Using Second-order Optimization with
+Preconditioned Mixing of Local Parameters" (Ishii, Niwa, Sawada, Fujino,
+Harada, Yokota, 2025, arXiv:2511.09100), eq. (10) (FOOF form: eqs. (11),
+(12)). Clients (:class:`fedaccel.clients.fedpm.FedPMSolver`) take FOOF-preconditioned
+local steps (or exact Newton steps on logistic regression with
+``fedpm.mode='exact'``) and upload their layer preconditioners beside the
+weights (upper triangles, counted in bytes_up); the server mixes each layer as
+``W = (sum_i n_i W_i M_i)(sum_i n_i M_i)^-1`` with ``M_i = P_i + damping I``
+(:mod:`fedaccel.strategies.preconditioned_mixing`). The paper's equations average the N
+clients' terms with equal weights; the weights ``n_i / n`` (sample counts of
+the replies) make one local step the centralized step of the sample-weighted
+objective, which is what the exact mode is tested against. See docs/fedpm.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fedaccel.clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_mode
+from fedaccel.arrays import numpy_to_record, record_to_numpy
+from fedaccel.config import RunConfig
+from fedaccel.errors import RoundFailedError
+from fedaccel.algorithm import AlgorithmSpec
+from fedaccel.strategies.base import FedAccelStrategy, Federation
+from fedaccel.strategies.preconditioned_mixing import preconditioned_mix
+
+
+class FedPMStrategy(FedAccelStrategy, FedAvg):
+    """Preconditioned mixing of the replies' layers; weighted mean of the rest."""
+
+    messages = FedPMSolver.messages  # preconditioners up
+
+    def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
+        check_exact_mode(run_cfg)
+        super().__init__(run_cfg=run_cfg, federation=federation)
+
+    def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        clients = []
+        for reply in replies:
+            content = reply.content
+            arrays = record_to_numpy(content["arrays"])
+            packed = record_to_numpy(content[PRECOND_KEY])
+            n = float(content["metrics"][self.weighted_by_key])
+            clients.append((arrays, packed, n))
+        damping = float(self.run_cfg.algo_params.damping)
+        try:
+            mixed = preconditioned_mix(clients, damping)
+        except ValueError as err:  # not positive definite: stop with one line, not a traceback
+            largest = max(float(np.abs(v).max()) for _, pre, _ in clients for v in pre.values())
+            raise RoundFailedError(
+                f"round {server_round}: {err} (damping {damping:g}, largest preconditioner entry "
+                f"{largest:.3g}). Huge entries mean a client's training diverged: lower lr "
+                f"(second-order steps need a smaller one at strong heterogeneity) or raise "
+                f"{self.run_cfg.algo}.damping") from None
+        new = numpy_to_record(mixed)
+        metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
+        return new, metrics
+
+
+def build(cfg: RunConfig, federation: Federation) -> FedPMStrategy:
+    return FedPMStrategy(run_cfg=cfg, federation=federation)
+
+
+ALGORITHM = AlgorithmSpec(
+    name="fedpm", build_strategy=build, solver=FedPMSolver, params=FedPMParams,
+    summary="FedPM: FOOF/Newton local steps, preconditioned mixing (W A)(A)^-1 on the server",
+)

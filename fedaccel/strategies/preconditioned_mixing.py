@@ -1,0 +1,118 @@
+"""Preconditioned mixing of local parameters (FedPM's server rule); registers no algorithm.
+
+"FedPM: Federated Learning Using Second-order Optimization with Preconditioned
+Mixing of Local Parameters" (Ishii et al., 2025, arXiv:2511.09100), eq. (10)
+(full preconditioners) and eq. (12) (per-layer FOOF). For every layer whose
+clients uploaded a preconditioner (the ArrayRecord
+:data:`fedaccel.clients.fedpm.PRECOND_KEY`, ``{layer: upper triangle}``), with
+``p_i = n_i / n`` (sample counts of the replies) and ``M_i = P_i + damping I``
+(with ``<algo>.upload='used'``, the default, the damped matrix the client
+stepped with; with ``'end'`` the one recomputed at its final weights):
+
+- FOOF (``P_i = A_i`` of size ``in + 1``, acting on the input side of
+  ``W~ = [W | b]``, shape ``(out, in + 1)``)::
+
+      W~ = (sum_i p_i W~_i M_i) (sum_i p_i M_i)^-1
+
+- full (``P_i = H_i`` of size ``out * (in + 1)``, acting on
+  ``vec(W~)`` row-major; the exact logistic-regression mode)::
+
+      vec(W~) = (sum_i p_i M_i)^-1 sum_i p_i M_i vec(W~_i)
+
+The kind is read from the matrix size. Solves use a Cholesky factor of
+``sum_i p_i M_i`` in float64 (never an explicit inverse). Every other tensor
+(GroupNorm weights, layers without a matrix) is the sample-weighted mean
+``sum_i p_i x_i``. Results keep the clients' dtype.
+
+With one local step ``W~_i = W~ - lr G~_i M_i^-1`` this gives exactly
+``W~ - lr (sum p_i G~_i) (sum p_i M_i)^-1``: the global damped step. That
+needs the mixing matrix to be the one the step used (``upload='used'``) and
+the step to be unclipped: a client whose direction was clipped (``clip-norm``)
+contributes ``c_i G~_i`` with its own factor ``c_i <= 1``. With ``K`` steps
+and a preconditioner constant within the round (``refresh-every = 0``,
+``upload='used'``) every local model is ``W~_i = W~ - lr D_i M_i^-1``, ``D_i``
+the sum of its steps' regularised gradients (scaled by momentum and clipping
+factors), and the round is exactly ``W~ - lr (sum_i p_i D_i)(sum_i p_i M_i)^-1``
+(the paper's appendix B, eq. (16), with constant local preconditioners).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedaccel.clients import foof
+
+
+def _t(a) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, dtype=np.float64))  # a copy: views may be read-only
+
+
+def layer_matrix(arrays: Mapping[str, np.ndarray], layer: str) -> tuple[torch.Tensor, list[str]]:
+    """``[W | b]`` of ``layer`` from flat arrays (float64) and the keys it covers."""
+    w = _t(arrays[f"{layer}.weight"])
+    keys = [f"{layer}.weight"]
+    mat = w.reshape(w.shape[0], -1)
+    if f"{layer}.bias" in arrays:
+        mat = torch.cat([mat, _t(arrays[f"{layer}.bias"]).reshape(-1, 1)], dim=1)
+        keys.append(f"{layer}.bias")
+    return mat, keys
+
+
+def preconditioned_mix(
+    clients: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]],
+    damping: float,
+) -> OrderedDict[str, np.ndarray]:
+    """Mix ``(arrays, packed preconditioners, n_i)`` of every client (see module doc)."""
+    if not clients:
+        raise ValueError("preconditioned_mix needs at least one client")
+    total = float(sum(n for _, _, n in clients))
+    weights = [float(n) / total for _, _, n in clients]
+    first_arrays, first_pre, _ = clients[0]
+    layers = list(first_pre)
+    for _, pre, _ in clients:
+        if list(pre) != layers:
+            raise ValueError(f"clients uploaded preconditioners for different layers: {list(pre)} vs {layers}")
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    covered: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        m_sum, r_sum = None, None
+        for (arrays, pre, _), p in zip(clients, weights):
+            w_i, keys = layer_matrix(arrays, layer)
+            rows, cols = w_i.shape
+            packed = _t(pre[layer]).reshape(-1)
+            d = foof.triangle_side(int(packed.numel()))
+            m_i = foof.unpack_upper(packed, d) + damping * torch.eye(d, dtype=torch.float64)
+            if d == cols:
+                r_i = w_i @ m_i
+            elif d == rows * cols:
+                r_i = m_i @ w_i.reshape(-1)
+            else:
+                raise ValueError(f"layer {layer}: preconditioner of size {d} fits neither "
+                                 f"{cols} (FOOF) nor {rows * cols} (full)")
+            m_sum = p * m_i if m_sum is None else m_sum + p * m_i
+            r_sum = p * r_i if r_sum is None else r_sum + p * r_i
+        factor, info = torch.linalg.cholesky_ex(m_sum)
+        if int(info) != 0:
+            raise ValueError(f"layer {layer}: mixed preconditioner is not positive definite; "
+                             "increase the damping")
+        if r_sum.dim() == 2:
+            mixed = foof.right_solve(r_sum, factor)
+        else:
+            mixed = torch.cholesky_solve(r_sum.reshape(-1, 1), factor).reshape(rows, cols)
+        w_shape = np.asarray(first_arrays[f"{layer}.weight"]).shape
+        n_w = int(np.prod(w_shape[1:]))
+        covered[keys[0]] = mixed[:, :n_w].reshape(w_shape)
+        if len(keys) == 2:
+            covered[keys[1]] = mixed[:, n_w]
+    for key, first in first_arrays.items():
+        first = np.asarray(first)
+        if key in covered:
+            value = covered[key]
+        else:
+            value = sum(p * _t(arrays[key]) for (arrays, _, _), p in zip(clients, weights))
+        out[key] = np.asarray(value.numpy(), dtype=first.dtype).reshape(first.shape)
+    return out
