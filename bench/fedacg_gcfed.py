@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plots  # bench/plots.py: the curve figures
 import runner  # bench/runner.py: resumable parallel fast-runner runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,11 +205,6 @@ def write_outputs(args: argparse.Namespace) -> None:
 
 
 def plot_curves(main, mom, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [(t, [(m, [r for r in main if r["method"] == m]) for m in ms]) for t, ms in GROUPS.items()]
     if mom:
         mseeds = {r["seed"] for r in mom}
@@ -218,24 +214,8 @@ def plot_curves(main, mom, path: Path) -> None:
             for lr in sorted({r["lr"] for r in mom}, reverse=True):
                 series.append((f"{m}, mom 0.9 lr {lr}", [r for r in mom if r["method"] == m and r["lr"] == lr]))
         panels.append(("Local momentum 0 vs 0.9", series))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, (title, series) in zip(axes[0], panels):
-        for k, (label, sel) in enumerate(series):
-            if not sel:
-                continue
-            x, mean, std = runner.mean_curve(sel)
-            ax.plot(x, mean, label=f"{label} (n={len(sel)})", lw=1.2, ls=("-", "--", ":", "-.")[k % 4])
-            if len(sel) > 1:
-                ax.fill_between(x, mean - std, mean + std, alpha=0.12)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(bottom=30)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    panels = [(title, [plots.mean_series(label, sel) for label, sel in series]) for title, series in panels]
+    plots.plot_panels(panels, path, panel_size=(6, 4.2), linestyles=plots.LINESTYLES, ylim=(30, None))
 
 
 # ----------------------------------------------------------------------------- main

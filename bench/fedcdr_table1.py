@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plots  # bench/plots.py: the curve figures
 import runner  # bench/runner.py: resumable parallel fast-runner runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,28 +304,10 @@ def write_sweep(recs, args, c) -> None:
 
 
 def plot_curves(recs, path: Path, panels, panel_key, panel_title, series) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    for ax, p in zip(axes[0], panels):
-        for m in series:
-            sel = [r for r in recs if r[panel_key] == p and r["method"] == m]
-            if not sel:
-                continue
-            x, mean, std = runner.mean_curve(sel)
-            ax.plot(x, mean, label=f"{m} (n={len(sel)})", lw=1.2)
-            ax.fill_between(x, mean - std, mean + std, alpha=0.2)
-        ax.set_title(panel_title(p))
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.plot_panels(
+        [(panel_title(p), [plots.mean_series(m, [r for r in recs if r[panel_key] == p and r["method"] == m])
+                           for m in series]) for p in panels],
+        path, panel_size=(5, 3.8), legend={"fontsize": 8}, dpi=110)
 
 
 # ----------------------------------------------------------------------------- main

@@ -50,6 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import plots  # bench/plots.py: the curve figures
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -203,6 +205,20 @@ def fmt(v: float) -> str:
     return "nan" if not math.isfinite(v) else f"{v:.2e}"
 
 
+def plot(kept: dict, path: Path, suptitle: str) -> None:
+    """Objective gap and distance to w* per round of each kept method (log scale, floored at 1e-16)."""
+    floor = 1e-16
+    gaps, dists = [], []
+    for label, (lr_key, lr, dist, gap) in kept.items():
+        rr = np.arange(len(gap))
+        name = f"{label} ({'server lr' if lr_key != 'lr' else 'lr'} {lr:g})"
+        gaps.append((name, rr, np.maximum(np.abs(gap), floor)))
+        dists.append((name, rr, np.maximum(dist, floor)))
+    plots.plot_panels([(r"$|F(w_r) - F(w^*)|$ (floored at 1e-16)", gaps), (r"$\|w_r - w^*\|$", dists)], path,
+                      ylabel=None, panel_size=(5.5, 4.2), marker=".", logy=True, legend={"fontsize": 8},
+                      legend_panels=(1,), suptitle=suptitle, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -268,28 +284,8 @@ def main(argv=None) -> int:
                 w.writerow([label, lr_key, lr, status, r, repr(d), repr(g)])
 
     # ---- plot
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    floor = 1e-16
-    for label, (lr_key, lr, dist, gap) in kept.items():
-        rr = np.arange(len(gap))
-        name = f"{label} ({'server lr' if lr_key != 'lr' else 'lr'} {lr:g})"
-        axes[0].semilogy(rr, np.maximum(np.abs(gap), floor), marker=".", label=name)
-        axes[1].semilogy(rr, np.maximum(dist, floor), marker=".", label=name)
-    axes[0].set_title(r"$|F(w_r) - F(w^*)|$ (floored at 1e-16)")
-    axes[1].set_title(r"$\|w_r - w^*\|$")
-    for ax in axes:
-        ax.set_xlabel("round")
-        ax.grid(True, which="major", alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"Test 1: logistic regression, breast cancer, {len(shards)} label-sorted clients, "
-                 f"1 local step, wd={WD:g}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "test1.png", dpi=110)
+    plot(kept, out / "test1.png", f"Test 1: logistic regression, breast cancer, {len(shards)} label-sorted "
+         f"clients, 1 local step, wd={WD:g}")
 
     # ---- markdown
     lines = [

@@ -68,6 +68,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plots  # bench/plots.py: the curve figures
 import runner  # bench/runner.py: resumable parallel fast-runner runs and summaries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,42 +276,19 @@ def write_outputs(args: argparse.Namespace) -> None:
 def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path: Path) -> None:
     """Top row: accuracy per round, one panel per alpha; bottom row: the same against the
     cumulative traffic (MB, up + down; every round of a method moves the same bytes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = len(panels)
-    fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 8.4), squeeze=False)
-    for c, (title, series) in enumerate(panels):
-        for k, (label, sel) in enumerate(series):
+    top, bottom = [], []
+    for title, series in panels:
+        by_round, by_mb = [], []
+        for label, sel in series:
             ok = [r for r in sel if r["accg_curve"]]
-            if not ok:
-                continue
-            x, mean, std = runner.mean_curve(ok)
-            mb_per_round = statistics.fmean(r["total_mb"] / r["num-server-rounds"]
-                                            for r in ok if r.get("total_mb") is not None) \
-                if any(r.get("total_mb") is not None for r in ok) else None
-            failed = sum(1 for r in sel if r.get("error"))
-            tag = f"{label} (n={len(ok)}{', %d failed' % failed if failed else ''})"
-            style = dict(lw=1.3, ls=("-", "--", ":", "-.")[k % 4], color=f"C{k}")
-            for row, xs in ((0, x), (1, None if mb_per_round is None else x * mb_per_round)):
-                if xs is None:
-                    continue
-                ax = axes[row][c]
-                ax.plot(xs, mean, label=tag, **style)
-                if len(ok) > 1:
-                    ax.fill_between(xs, mean - std, mean + std, alpha=0.12, color=f"C{k}")
-        for row, xlabel in ((0, "round"), (1, "cumulative traffic, up + down (MB)")):
-            ax = axes[row][c]
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("test accuracy (%)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            s = plots.mean_series(label, ok, failed=sum(1 for r in sel if r.get("error")))
+            mbs = [r["total_mb"] / r["num-server-rounds"] for r in ok if r.get("total_mb") is not None]
+            by_round.append(s)
+            by_mb.append((s[0], s[1] * statistics.fmean(mbs), *s[2:]) if mbs else (s[0], [], []))
+        top.append((title, by_round))
+        bottom.append((title, by_mb))
+    plots.plot_panels(top + bottom, path, ncols=len(panels), linestyles=plots.LINESTYLES,
+                      xlabel=("round", "cumulative traffic, up + down (MB)"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import plots  # bench/plots.py: the curve figures
 import runner  # bench/runner.py: resumable parallel fast-runner runs and summaries
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,33 +142,10 @@ def write_outputs(args: argparse.Namespace) -> None:
 
 
 def plot(panels: list[tuple[str, list[tuple[str, list[dict[str, Any]]]]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = 2
-    rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
-    for ax, (title, series) in zip(axes.flat, panels):
-        for k, (label, sel) in enumerate(series):
-            ok = [r for r in sel if not r.get("error")]
-            if not ok:
-                continue
-            x, mean, std = runner.mean_curve(ok)
-            ax.plot(x, mean, label=f"{label} (n={len(ok)})", lw=1.2, ls=("-", "--", ":", "-.")[k % 4])
-            if len(ok) > 1:
-                ax.fill_between(x, mean - std, mean + std, alpha=0.12)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Two panels a row; a series' failed runs are left out of its curve."""
+    plots.plot_panels([(title, [plots.mean_series(label, [r for r in sel if not r.get("error")])
+                                for label, sel in series]) for title, series in panels],
+                      path, ncols=2, linestyles=plots.LINESTYLES)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
