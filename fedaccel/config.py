@@ -82,6 +82,12 @@ class GCConfig:
 GC_MODES = ("auto", "none", "local", "global", "hybrid", "local-only")
 
 
+# ``cohort-batching``: the fast runner trains a round's clients as one batched
+# model (fedaccel/clients/cohort.py) when it can ('auto'), must ('on': a run it
+# cannot batch is refused) or never ('off').
+COHORT_BATCHING = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Every shared run-config key, validated. Algorithm keys live in ``algo_params``."""
@@ -118,6 +124,7 @@ class RunConfig:
     round_timeout: float = 600.0
     train_samples: int = 0
     clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
+    cohort_batching: str = "auto"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -18,7 +18,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedaccel.arrays import load_into
-from fedaccel.config import RunConfig
+from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import FederationError, ResultsDirError
 from fedaccel.memory import require_memory
 from fedaccel.registry import get_algorithm
@@ -186,6 +186,9 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     ``quiet`` silences the per-round lines (the results line is printed anyway).
     """
     cfg = parse_run_config(run_config)
+    if cfg.cohort_batching == "on" and not getattr(grid, "trains_cohorts", False):
+        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
+                           "Flower's engines train one client per node: use 'auto' or 'off'")
     run_dir = writable_run_dir(cfg)  # a results folder that cannot be written fails now, not at the end
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid, timeout=cfg.round_timeout)

@@ -7,6 +7,10 @@ It delivers each message to ``client_app(message, context)`` directly, keeps
 one :class:`~flwr.app.Context` (with its persistent ``state``) per simulated
 node, and turns client exceptions into error replies as Flower does. The same
 ServerApp and ClientApp objects run unchanged on it.
+
+Given a ``cohort_trainer``, the training messages of a round are handed to it
+together (the ClientApp's ``train`` for all of them at once, batched), and
+every other message goes to the ClientApp one by one.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ from __future__ import annotations
 import secrets
 import traceback
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
@@ -56,11 +60,13 @@ class LocalGrid(Grid):
     """
 
     def __init__(self, client_app: ClientApp, run_config: dict, num_clients: int,
-                 seed: int = 0, run_id: int | None = None) -> None:
+                 seed: int = 0, run_id: int | None = None,
+                 cohort_trainer: Callable[[list[tuple[Message, Context]]], list[Message]] | None = None) -> None:
         # A fresh run id per grid, as Flower gives each run: disk client state
         # is keyed by it, so two runs never share state.
         run_id = run_id if run_id is not None else secrets.randbits(62) + 1
         self.client_app = client_app
+        self.cohort_trainer = cohort_trainer
         self._run = Run.create_empty(run_id)
         self._pending: dict[str, Message] = {}
         self._replies: dict[str, Message] = {}
@@ -105,11 +111,21 @@ class LocalGrid(Grid):
             ids.append(message_id)
         return ids
 
+    @property
+    def trains_cohorts(self) -> bool:
+        """Whether a round's training messages are trained as one batch."""
+        return self.cohort_trainer is not None
+
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        message_ids = list(message_ids)
+        if self.cohort_trainer is not None:
+            self._deliver_cohort([i for i in message_ids if i in self._pending
+                                  and self._pending[i].metadata.message_type == MessageType.TRAIN
+                                  and self._pending[i].metadata.dst_node_id in self.contexts])
         out = []
         for message_id in message_ids:
             if message_id in self._pending:
-                self._replies[message_id] = self._deliver(self._pending.pop(message_id))
+                self._replies[message_id] = self.deliver(self._pending.pop(message_id))
             if message_id in self._replies:
                 out.append(self._replies.pop(message_id))
         return out
@@ -119,7 +135,23 @@ class LocalGrid(Grid):
         return self.pull_messages(self.push_messages(messages))
 
     # ------------------------------------------------------------ helpers
-    def _deliver(self, message: Message) -> Message:
+    def _deliver_cohort(self, message_ids: list[str]) -> None:
+        """The training messages ``message_ids``, trained together; an
+        exception (a bug, raised for all of them) becomes every one's error
+        reply, as :meth:`deliver` does for one message."""
+        if not message_ids:
+            return
+        messages = [self._pending.pop(i) for i in message_ids]
+        items = [(m, self.contexts[m.metadata.dst_node_id]) for m in messages]
+        try:
+            replies = self.cohort_trainer(items)
+        except Exception as err:  # a client failure is a reply, as in Flower
+            reason = "".join(traceback.format_exception_only(type(err), err)).strip()
+            replies = [Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=m) for m, _ in items]
+        for message_id, reply in zip(message_ids, replies):
+            self._replies[message_id] = reply
+
+    def deliver(self, message: Message) -> Message:
         context = self.contexts.get(message.metadata.dst_node_id)
         if context is None:
             return Message(Error(CLIENT_APP_RAISED_EXCEPTION,

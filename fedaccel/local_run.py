@@ -19,13 +19,13 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tomli
 import yaml
 from flwr.common.config import flatten_dict, get_project_config
 
-from fedaccel.config import ConfigError, did_you_mean
+from fedaccel.config import ConfigError, RunConfig, did_you_mean
 
 DEFAULT_NUM_CLIENTS = 20  # the local-simulation profile's num-supernodes (flower.toml)
 
@@ -142,7 +142,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
-    from fedaccel.apps.client_app import app as client_app, prepare_clients
+    from fedaccel.apps.client_app import app as client_app, cohort_fallback, prepare_clients, train_cohort
     from fedaccel.clients.state import state_run_dir
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
@@ -151,7 +151,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from fedaccel.run_config import parse_run_config
 
     # before building anything, and before Flower's logging is changed (nothing to restore)
-    require_memory(parse_run_config(run_config), num_clients)
+    cfg = parse_run_config(run_config)
+    require_memory(cfg, num_clients)
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
@@ -160,6 +161,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
+        grid.cohort_trainer = choose_cohort_trainer(cfg, grid, cohort_fallback, train_cohort, quiet)
         context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: quiet},
                           state=RecordDict(), run_config=run_config)
         grid.serve(server_app, context)
@@ -170,6 +172,37 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         FLOWER_LOGGER.setLevel(previous_level)  # the caller's logging is not ours to change
         update_console_handler(colored=True)  # Flower's default
     return Path(str(context.state[RESULTS]["run-dir"]))
+
+
+def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer: Callable,
+                          quiet: bool) -> Callable | None:
+    """``trainer`` (a round's clients as one batched model) when
+    ``cohort-batching`` allows and the run can be batched, else None (one
+    client after another, announced the same way). Says which on stderr
+    when the first round trains, unless ``quiet`` (a run that stops before,
+    e.g. on an unwritable results-dir, prints only its one error line);
+    ``cohort-batching='on'`` with a reason against is a :class:`ConfigError`."""
+    from fedaccel.errors import USER_ERRORS
+
+    try:
+        reason = fallback(next(iter(grid.contexts.values())))
+    except USER_ERRORS:
+        reason = None  # bad data or node config: the first round reports it, batched or not
+    if reason and cfg.cohort_batching == "on":
+        raise ConfigError(f"cohort-batching='on' but this run cannot be batched: {reason}; "
+                          "use cohort-batching='auto' to train its clients one after another")
+    note = (f"fedaccel: clients train one after another ({reason})" if reason else
+            "fedaccel: each round's clients train as one batched model (cohort-batching)")
+    train = (lambda items: [grid.deliver(message) for message, _ in items]) if reason else trainer
+    announced = [quiet]
+
+    def announced_trainer(items: list) -> list:
+        if not announced[0]:
+            print(note, file=sys.stderr)
+            announced[0] = True
+        return train(items)
+
+    return announced_trainer
 
 
 EXIT_CODES_HELP = """exit codes:

@@ -19,7 +19,7 @@ from fedaccel.clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_
 from fedaccel.clients.state import CLIENT_STATES
 from fedaccel.data import DATASETS, PARTITIONS
 from fedaccel.config import (
-    DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
+    COHORT_BATCHING, DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
     parse_algo_params, require,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
@@ -227,6 +227,7 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         round_timeout=_positive(cfg, "round-timeout"),
         train_samples=train_samples,
         clip_norm=clip_norm,
+        cohort_batching=_string(cfg, "cohort-batching", COHORT_BATCHING),
         algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
@@ -239,5 +240,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
-    "clip-norm",
+    "clip-norm", "cohort-batching",
 )

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# about 5 s (torch import and one matplotlib render per figure): the full suite runs it
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

@@ -155,18 +155,24 @@ def test_unknown_key_rejected(tmp_path, capsys):
     assert "fedprox.muu (did you mean 'fedprox.mu'?)" in err
 
 
-def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch):
-    """A client that raises gives an error reply; a round where all fail stops the run."""
+@pytest.mark.parametrize("batching", ["off", "auto"])
+def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch, batching):
+    """A client that raises gives an error reply; a round where all fail stops
+    the run (training one client after another, or the round as one batch)."""
     import fedaccel.clients.base
+    import fedaccel.clients.cohort
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
+    if batching == "off":
+        monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
+    else:
+        monkeypatch.setattr(fedaccel.clients.cohort, "train_cohort", broken)
     from fedaccel.errors import RoundFailedError
 
     with pytest.raises(RoundFailedError, match="all 3 sampled clients failed.*disk on fire"):
-        run_local(small_config(tmp_path), num_clients=6, quiet=True)
+        run_local(small_config(tmp_path, **{"cohort-batching": batching}), num_clients=6, quiet=True)
 
 
 def test_devices_with_their_own_data_files(tmp_path):

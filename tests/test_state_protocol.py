@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
-from fedaccel.apps.client_app import app as client_app
+from fedaccel.apps.client_app import app as client_app, train_cohort
 from fedaccel.clients.state import ContextState, DiskState, VersionedState, state_run_dir
 from fedaccel.run_config import parse_run_config
 from fedaccel.experiment import Experiment, discover_federation
@@ -122,6 +122,7 @@ class FaultyGrid(LocalGrid):
         super().__init__(*args, **kwargs)
         self.faults = faults
         self.applied: list[tuple[int, int, str]] = []  # (round, partition, kind)
+        self.batched_messages = 0  # training messages that went through the cohort trainer
 
     def push_messages(self, messages):
         messages = list(messages)
@@ -134,8 +135,18 @@ class FaultyGrid(LocalGrid):
                 message.metadata.__dict__["_fault"] = kind
         return ids
 
-    def _deliver(self, message):
-        reply = super()._deliver(message)
+    def deliver(self, message):
+        return self._apply_fault(message, super().deliver(message))
+
+    def _deliver_cohort(self, message_ids):
+        """The batched path (cohort-batching): the same faults on its replies."""
+        messages = {i: self._pending[i] for i in message_ids}
+        self.batched_messages += len(messages)
+        super()._deliver_cohort(message_ids)
+        for i, message in messages.items():
+            self._replies[i] = self._apply_fault(message, self._replies[i])
+
+    def _apply_fault(self, message, reply):
         kind = message.metadata.__dict__.get("_fault")
         if kind is None:
             return reply
@@ -215,7 +226,7 @@ def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0:
 
 
 def run_with_faults(tmp_path, algo: str, faults: dict[int, list[str]], rounds: int = 6,
-                    **overrides) -> tuple[FaultyGrid, Experiment, list[float]]:
+                    cohort: bool = False, **overrides) -> tuple[FaultyGrid, Experiment, list[float]]:
     run_config = fuse(default_run_config(), {
         "algo": algo, "num-server-rounds": rounds, "clients-per-round": 3, "local-epochs": 1,
         "accl-every": 0, "synthetic.max-samples": 60, "client-state": "context",
@@ -224,7 +235,8 @@ def run_with_faults(tmp_path, algo: str, faults: dict[int, list[str]], rounds: i
         "state-dir": str(tmp_path / "state"),
         # a lost reply is noticed when the round times out
         "round-timeout": 0.5, **overrides})
-    grid = FaultyGrid(client_app, run_config, num_clients=6, seed=0, faults=faults)
+    grid = FaultyGrid(client_app, run_config, num_clients=6, seed=0, faults=faults,
+                      cohort_trainer=train_cohort if cohort else None)
     cfg = parse_run_config(run_config)
     federation = discover_federation(PromptGrid(grid))
     experiment = Experiment(cfg, federation, quiet=True)
@@ -250,11 +262,15 @@ def run_with_faults(tmp_path, algo: str, faults: dict[int, list[str]], rounds: i
 FAULTS = {2: ["lose"], 3: ["nan"], 4: ["crash"], 5: ["lose", "nan"]}
 
 
-@pytest.mark.parametrize("algo,gc_mode", [("scaffold", "none"), ("feddyn", "none"), ("fedrkmgc", "none"),
-                                          ("fedcdr", "none"), ("feddr", "none"),
-                                          ("scaffold", "global"), ("feddyn", "global"), ("fedcdr", "local")])
-def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp_path, algo, gc_mode):
-    grid, experiment, _ = run_with_faults(tmp_path, algo, FAULTS, **{"gc.mode": gc_mode})
+@pytest.mark.parametrize("algo,gc_mode,cohort", [
+    ("scaffold", "none", False), ("feddyn", "none", False), ("fedrkmgc", "none", False),
+    ("fedcdr", "none", False), ("feddr", "none", False),
+    ("scaffold", "global", False), ("feddyn", "global", False), ("fedcdr", "local", False),
+    # the batched trainer (docs/cohort-batching.md) runs the same commit protocol per client
+    ("feddyn", "global", True), ("fedrkmgc", "none", True)])
+def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp_path, algo, gc_mode, cohort):
+    grid, experiment, _ = run_with_faults(tmp_path, algo, FAULTS, cohort=cohort, **{"gc.mode": gc_mode})
+    assert (grid.batched_messages >= 6 * 3) == cohort
     # the faults really happened, and stragglers really were dropped
     assert sorted(kind for _, _, kind in grid.applied) == ["crash", "lose", "lose", "nan", "nan"]
     logs = experiment.strategy.rounds

@@ -31,7 +31,8 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
-from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
+from fedaccel.clients.cohort import CohortJob, fallback_reason, fit_cohort
 from fedaccel.clients.state import choose_backend, open_client_state
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into
@@ -238,12 +239,68 @@ def _train(msg: Message, context: Context) -> Message:
     generator = seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
     state = open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
                               rt.partition_id, context.state)
-    received = {k: v for k, v in msg.content.array_records.items() if k != "arrays"}
-    result = rt.solver.fit(rt.model, rt.train, config, state, generator, received)
+    result = rt.solver.fit(rt.model, rt.train, config, state, generator, _received(msg))
+    return _train_reply(msg, result)
+
+
+def _received(msg: Message) -> dict:
+    """The message's ArrayRecords other than the model (e.g. SCAFFOLD's ``c``)."""
+    return {k: v for k, v in msg.content.array_records.items() if k != "arrays"}
+
+
+def _train_reply(msg: Message, result: LocalResult) -> Message:
     content = RecordDict({"arrays": result.arrays, "metrics": MetricRecord(result.metrics)})
     for key, record in result.extra.items():
         content[key] = record
     return Message(content=content, reply_to=msg)
+
+
+def cohort_fallback(context: Context) -> str | None:
+    """Why this run's clients cannot train as one batched model (one line), or
+    None; ``cohort-batching='off'`` is a reason too."""
+    rt = client_runtime(context)
+    if rt.cfg.cohort_batching == "off":
+        return "cohort-batching='off'"
+    return fallback_reason(rt.solver, rt.cfg, rt.model, rt.train.augment)
+
+
+def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
+    """The ``train`` handler for every client of a round at once, in one process.
+
+    Each client goes through the same steps as :func:`train` (its own solver
+    instance, state, generator, contract checks, error replies), only the
+    local steps of all of them run as one batched model
+    (:func:`fedaccel.clients.cohort.fit_cohort`). The fast runner calls it
+    when :func:`cohort_fallback` found no reason against."""
+    replies: list[Message | None] = [None] * len(items)
+    jobs, where = [], []
+    shared = None
+    for i, (msg, context) in enumerate(items):
+        try:
+            rt = client_runtime(context)
+        except REPLY_ERRORS as err:
+            replies[i] = user_error_reply(msg, context, err)
+            continue
+        shared = shared or rt
+        solver = type(rt.solver)(rt.cfg)
+        solver.initial_model = rt.solver.initial_model
+        config = dict(msg.content.config_records.get("config", ConfigRecord()))
+        server_round = int(config.get("server-round", 0))
+        jobs.append(CohortJob(
+            solver=solver, data=rt.train, config=config,
+            state=open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
+                                    rt.partition_id, context.state),
+            generator=seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train"),
+            load_global=lambda model, msg=msg: load_into(model, msg.content["arrays"]),
+            received=_received(msg)))
+        where.append(i)
+    if jobs:
+        results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS)
+        for i, result in zip(where, results):
+            msg, context = items[i]
+            replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)
+                          else _train_reply(msg, result))
+    return replies  # type: ignore[return-value]
 
 
 @app.evaluate()

@@ -87,6 +87,7 @@ class LocalSolver:
         # ArrayRecords the server sent beside the model this round (e.g.
         # SCAFFOLD's control variate), set by fit() before begin_round.
         self.received: dict[str, ArrayRecord] = {}
+        self._state_lost = False  # set by open_round: the state the server counts on is gone
 
     # ----------------------------------------------------------------- hooks
     def begin_round(
@@ -100,8 +101,36 @@ class LocalSolver:
         ``train-loss`` and ``local-steps`` (default: :meth:`run_epochs`)."""
         return self.run_epochs(model, data, generator, lr, epochs)
 
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This client's tensors that :meth:`gradient_rule` reads, each a list
+        aligned with ``model.parameters()`` (e.g. FedProx's anchor ``w^t``).
+        Set up by :meth:`begin_round`; none for FedAvg."""
+        return {}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The gradient the optimizer steps with, for one parameter: a pure,
+        elementwise function of its weight ``w``, its task gradient ``g`` and
+        this client's ``tensors`` for that parameter (:meth:`step_tensors`);
+        scalars come from the run and round config, the same for every client
+        of a round. FedAvg: ``g``.
+
+        Written once, it serves both trainers: the per-client loop applies it
+        to each parameter (:meth:`transform_gradients`), and the cohort trainer
+        (:mod:`fedaccel.clients.cohort`) applies the same function to tensors
+        that stack every client of a round along a first dimension, which an
+        elementwise rule computes unchanged."""
+        return g
+
     def transform_gradients(self, model: torch.nn.Module) -> None:
-        """Edit ``p.grad`` in place after backward, before the optimizer step."""
+        """Edit ``p.grad`` in place after backward, before the optimizer step:
+        :meth:`gradient_rule` for every parameter. A solver whose step-time
+        edit is not elementwise, or keeps a running sum, overrides this hook
+        instead (and then trains per client only)."""
+        if type(self).gradient_rule is LocalSolver.gradient_rule:
+            return
+        tensors = self.step_tensors()
+        for i, p in enumerate(model.parameters()):
+            p.grad.copy_(self.gradient_rule(p.detach(), p.grad, {k: v[i] for k, v in tensors.items()}))
 
     def end_round(
         self, model: torch.nn.Module, state: ClientState
@@ -182,23 +211,37 @@ class LocalSolver:
     ) -> LocalResult:
         """One round of local training from the weights already in ``model``;
         ``received`` holds the message's ArrayRecords other than the model."""
+        train = self.open_round(model, config, state, received)
+        metrics = self.local_training(model, data, generator, train.lr, train.local_epochs)
+        return self.close_round(model, data, state, metrics)
+
+    def open_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState,
+                   received: dict[str, ArrayRecord] | None = None) -> TrainConfig:
+        """Everything before the local steps: read the message against the
+        contract, settle the client state (commit protocol), :meth:`begin_round`.
+        Returns the typed round config."""
         algo, stateful = self.cfg.algo, self.state_copies > 0
         train = self.messages.read_train_config(algo, config, stateful)
         self.received = dict(received or {})
         self.messages.check_records(algo, "to_client", self.received)
-        state_lost = False
+        self._state_lost = False
         if stateful:
-            state_lost = self._resolve_state(train, state)
+            self._state_lost = self._resolve_state(train, state)
             state.begin(train.server_round)
         self.begin_round(model, train, state)
-        metrics = self.local_training(model, data, generator, train.lr, train.local_epochs)
+        return train
+
+    def close_round(self, model: torch.nn.Module, data: TrainData, state: ClientState,
+                    metrics: dict[str, float | int]) -> LocalResult:
+        """Everything after the local steps, from the trained weights in
+        ``model``: :meth:`end_round`, :meth:`upload`, seal the state."""
         extra = self.end_round(model, state)
-        self.messages.check_records(algo, "to_server", extra)
+        self.messages.check_records(self.cfg.algo, "to_server", extra)
         result_arrays = self.upload(model, state)
-        if stateful:
+        if self.state_copies > 0:
             state.seal()  # pending until the server's next message says it applied this reply
-        metrics["num-examples"] = data.num_examples
-        if state_lost:
+        metrics = dict(metrics, **{"num-examples": data.num_examples})
+        if self._state_lost:
             metrics["state-lost"] = 1
         return LocalResult(arrays=result_arrays, metrics=metrics, extra=extra)
 

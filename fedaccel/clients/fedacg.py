@@ -30,8 +30,9 @@ class FedACGSolver(LocalSolver):
         self.beta = float(p.beta) if p.local_regularizer else 0.0
         self.anchor = [w.detach().clone() for w in model.parameters()] if self.beta else []
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        if self.beta == 0.0:
-            return
-        for w, w0 in zip(model.parameters(), self.anchor):
-            w.grad.add_(w.detach() - w0, alpha=self.beta)
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"anchor": self.anchor} if self.beta else {}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g + beta (w - b)``: the gradient of the local regularizer."""
+        return g if self.beta == 0.0 else g.add(w - tensors["anchor"], alpha=self.beta)

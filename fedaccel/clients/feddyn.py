@@ -49,16 +49,17 @@ class FedDynSolver(LocalSolver):
         params = OrderedDict(model.named_parameters())
         self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
         self.grad_prev = groups_or_zeros(state, "feddyn", ("grad_prev",), self.anchor)["grad_prev"]
-        self._triples = [(p, self.anchor[k], self.grad_prev[k]) for k, p in params.items()]
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        for p, anchor, grad_prev in self._triples:
-            p.grad.add_(dynamic_gradient(p.detach(), anchor, grad_prev, self.alpha))
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"anchor": list(self.anchor.values()), "grad_prev": list(self.grad_prev.values())}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g + alpha (w - w^t) - grad_prev`` (:func:`dynamic_gradient`)."""
+        return g + dynamic_gradient(w, tensors["anchor"], tensors["grad_prev"], self.alpha)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
         state.put("feddyn", flat_groups({"grad_prev": {
             k: grad_prev_update(self.grad_prev[k], p.detach(), self.anchor[k], self.alpha)
             for k, p in model.named_parameters()
         }}))
-        self._triples = []
         return {}

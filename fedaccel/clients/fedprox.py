@@ -28,8 +28,9 @@ class FedProxSolver(LocalSolver):
         self.mu = float(config.get("proximal-mu"))
         self.anchor = [p.detach().clone() for p in model.parameters()]
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        if self.mu == 0.0:
-            return
-        for p, w0 in zip(model.parameters(), self.anchor):
-            p.grad.add_(p.detach() - w0, alpha=self.mu)
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"anchor": self.anchor}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g + mu (w - w^t)``, the gradient of eq. 2's proximal objective."""
+        return g if self.mu == 0.0 else g.add(w - tensors["anchor"], alpha=self.mu)

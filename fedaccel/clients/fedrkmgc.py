@@ -133,11 +133,13 @@ class FedRKMGCSolver(LocalSolver):
         self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
         saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), self.anchor)
         self.delta, self.raw_prev = saved["delta"], saved["raw_prev"]
-        self._pairs = [(p, self.delta[k]) for k, p in params.items()]
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        for p, delta in self._pairs:
-            p.grad.sub_(delta)
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"delta": list(self.delta.values())}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g - delta``: the corrected local gradient (Alg. 1 lines 6-8)."""
+        return g - tensors["delta"]
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
         beta, gamma = float(self.params.beta), float(self.params.gamma)
@@ -146,5 +148,4 @@ class FedRKMGCSolver(LocalSolver):
             raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
             delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k], self.t, gamma)
         state.put("fedrkmgc", flat_groups({"delta": delta, "raw_prev": raw_prev}))
-        self._pairs = []
         return {}

@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear`` for C models at once: ``x`` ``[C, B, in]``, ``weight``
+    ``[C, out, in]``, ``bias`` ``[C, out]`` -> ``[C, B, out]`` (one ``baddbmm``)."""
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
 def mlp_hidden_size(in_features: int) -> int:
     """Hidden width of the ``mlp`` model: 32 when ``in_features <= 100`` else 128.
 
@@ -29,6 +35,11 @@ class LogReg(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.flatten(x))
 
+    @staticmethod
+    def batched_forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of C models at once (weights ``p`` stacked, ``x`` ``[C, B, ...]``)."""
+        return batched_linear(x.flatten(2), p["fc.weight"], p["fc.bias"])
+
 
 class MLP(nn.Module):
     """One-hidden-layer MLP: d - h - classes with ReLU.
@@ -49,6 +60,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.relu(self.fc1(self.flatten(x))))
 
+    @staticmethod
+    def batched_forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of C models at once (weights ``p`` stacked, ``x`` ``[C, B, ...]``)."""
+        h = torch.relu(batched_linear(x.flatten(2), p["fc1.weight"], p["fc1.bias"]))
+        return batched_linear(h, p["fc.weight"], p["fc.bias"])
+
 
 class MLP200(nn.Module):
     """The "2NN" of McMahan et al. 2017: d - 200 - 200 - classes with ReLU."""
@@ -65,6 +82,13 @@ class MLP200(nn.Module):
         x = self.relu(self.fc1(self.flatten(x)))
         x = self.relu(self.fc2(x))
         return self.fc(x)
+
+    @staticmethod
+    def batched_forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` of C models at once (weights ``p`` stacked, ``x`` ``[C, B, ...]``)."""
+        h = torch.relu(batched_linear(x.flatten(2), p["fc1.weight"], p["fc1.bias"]))
+        h = torch.relu(batched_linear(h, p["fc2.weight"], p["fc2.bias"]))
+        return batched_linear(h, p["fc.weight"], p["fc.bias"])
 
 
 class McMahanCNN(nn.Module):

@@ -1,0 +1,178 @@
+"""The cohort trainer (fedaccel/clients/cohort.py) against the per-client loop.
+
+Same seed, same clients, ragged sizes: every batchable algorithm's round,
+batched, equals the per-client round to float32 rounding (weights to
+``ATOL``/``RTOL``, train loss to 1e-5 relative, step counts exactly), and the
+per-client state it leaves (FedDyn's grad_prev, FedRKMGC's corrections) carries
+into the next round the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from fakes import run_cfg
+from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.cohort import CohortJob, batched_forward, fallback_reason, fit_cohort
+from fedaccel.clients.state import ContextState
+from fedaccel.contract import train_config_record
+from fedaccel.models import build_model
+from fedaccel.registry import get_algorithm
+from fedaccel.torch_utils import seeded_generator
+
+ATOL, RTOL = 2e-6, 1e-5  # float32: the batched kernels sum in another order
+SIZES = [37, 5, 16, 90, 17, 1, 33]  # ragged: 1..6 steps per epoch at batch 16, one client of 1 sample
+EXTRA = {"fedprox": {"proximal-mu": 0.1}}
+BATCHABLE = {
+    "fedavg": {"momentum": 0.9, "weight-decay": 1e-3},
+    "fedprox": {"momentum": 0.5},
+    "fedacg": {"fedacg.beta": 0.2},
+    "feddyn": {"feddyn.alpha": 0.1, "weight-decay": 1e-3},
+    "fedrkmgc": {"momentum": 0.9},
+}
+
+
+def clients(sizes=SIZES, shape=(6,), classes: int = 3, seed: int = 0) -> list[TrainData]:
+    gen = torch.Generator().manual_seed(seed)
+    return [TrainData(x=torch.randn(n, *shape, generator=gen) * (1 + c),
+                      y=torch.randint(0, classes, (n,), generator=gen)) for c, n in enumerate(sizes)]
+
+
+def make_model(seed: int = 0, name: str = "mlp", shape=(6,)) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(name, shape, 3)
+
+
+def config_for(algo: str, server_round: int, lr: float = 0.1) -> dict:
+    values = train_config_record(server_round, lr, 2, EXTRA.get(algo))
+    values["accepted-round"] = server_round - 1  # the server applied every reply so far
+    return values
+
+
+def per_client_round(cfg, model, datas, states, server_round):
+    weights, metrics = [], []
+    for c, data in enumerate(datas):
+        local = copy.deepcopy(model)
+        solver = get_algorithm(cfg.algo).solver(cfg)
+        result = solver.fit(local, data, config_for(cfg.algo, server_round), states[c],
+                            seeded_generator(cfg.seed, server_round, c, "train"))
+        weights.append([p.detach().clone() for p in local.parameters()])
+        metrics.append(result.metrics)
+    return weights, metrics
+
+
+def cohort_round(cfg, model, datas, states, server_round):
+    scratch = copy.deepcopy(model)
+    start = copy.deepcopy(model.state_dict())
+    jobs = [CohortJob(solver=get_algorithm(cfg.algo).solver(cfg), data=data,
+                      config=config_for(cfg.algo, server_round), state=states[c],
+                      generator=seeded_generator(cfg.seed, server_round, c, "train"),
+                      load_global=lambda m: m.load_state_dict(start))
+            for c, data in enumerate(datas)]
+    results = fit_cohort(scratch, jobs, cfg.batch_size)
+    weights = []
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        weights.append([torch.from_numpy(a.numpy()) for a in result.arrays.values()])
+    return weights, [r.metrics for r in results]
+
+
+def assert_same_round(a, b) -> None:
+    (wa, ma), (wb, mb) = a, b
+    for c, (x, y) in enumerate(zip(wa, wb)):
+        for p, q in zip(x, y):
+            torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=f"client {c}")
+    for x, y in zip(ma, mb):
+        assert x["local-steps"] == y["local-steps"] and x["num-examples"] == y["num-examples"]
+        assert x["train-loss"] == pytest.approx(y["train-loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("algo", sorted(BATCHABLE))
+def test_a_batched_round_equals_the_per_client_round(algo: str) -> None:
+    """Two rounds, so state written in round 1 is read in round 2."""
+    cfg = run_cfg(algo, **{"batch-size": 16, **BATCHABLE[algo]})
+    model, datas = make_model(), clients()
+    assert fallback_reason(get_algorithm(algo).solver(cfg), cfg, model, augment=False) is None
+    states_a = [ContextState(RecordDict()) for _ in datas]
+    states_b = [ContextState(RecordDict()) for _ in datas]
+    for server_round in (1, 2):
+        expected = per_client_round(cfg, model, datas, states_a, server_round)
+        got = cohort_round(cfg, model, datas, states_b, server_round)
+        assert_same_round(expected, got)
+        # the next round starts from the mean, as a server would send it
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.copy_(torch.stack([w[i] for w in expected[0]]).mean(0))
+    for a, b in zip(states_a, states_b):
+        assert a.versions() == b.versions()
+        kept_a, kept_b = a.get(algo, torch.device("cpu")), b.get(algo, torch.device("cpu"))
+        assert (kept_a is None) == (kept_b is None) == (algo not in ("feddyn", "fedrkmgc"))
+        for key in kept_a or {}:
+            torch.testing.assert_close(kept_a[key], kept_b[key], atol=ATOL, rtol=RTOL)
+
+
+def test_steps_and_losses_follow_each_clients_own_size() -> None:
+    cfg = run_cfg("fedavg", **{"batch-size": 16})
+    _, metrics = cohort_round(cfg, make_model(), clients(), [None] * len(SIZES), 1)
+    assert [m["local-steps"] for m in metrics] == [2 * -(-n // 16) for n in SIZES]
+
+
+@pytest.mark.parametrize("algo, changes, words", [
+    ("scaffold", {}, "overrides transform_gradients"),
+    ("fedpm", {}, "overrides"),
+    ("fedavg", {"clip-norm": 1.0}, "clip-norm"),
+    ("fedavg", {"gc.mode": "local"}, "gc.mode='local'"),
+])
+def test_what_cannot_be_batched_says_why(algo, changes, words) -> None:
+    cfg = run_cfg(algo, **changes)
+    reason = fallback_reason(get_algorithm(algo).solver(cfg), cfg, make_model(), augment=False)
+    assert reason and words in reason
+
+
+def test_augmentation_and_dropout_fall_back() -> None:
+    cfg = run_cfg("fedavg")
+    solver = LocalSolver(cfg)
+    assert "augmentation" in fallback_reason(solver, cfg, make_model(), augment=True)
+    dropout = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Dropout(0.5))
+    assert "dropout" in fallback_reason(solver, cfg, dropout, augment=False)
+
+
+def test_a_model_without_its_own_batched_forward_goes_through_vmap() -> None:
+    """The McMahan CNN (no ``batched_forward``): a FedProx round, batched by
+    ``vmap(functional_call)``, equals the per-client round."""
+    cfg = run_cfg("fedprox", **{"batch-size": 8, "momentum": 0.5})
+    model = make_model(name="cnn-small", shape=(1, 8, 8))
+    assert not hasattr(model, "batched_forward")
+    datas = clients([11, 3, 20], shape=(1, 8, 8))
+    states = [ContextState(RecordDict()) for _ in datas]
+    assert_same_round(per_client_round(cfg, model, datas, states, 1),
+                      cohort_round(cfg, model, datas, states, 1))
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp", "mlp200"])
+def test_each_models_batched_forward_is_its_forward(name: str) -> None:
+    copies = [make_model(seed, name, (1, 5, 4)) for seed in range(3)]
+    assert hasattr(copies[0], "batched_forward")
+    params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in copies])
+              for k, _ in copies[0].named_parameters()}
+    x = torch.randn(3, 7, 1, 5, 4)
+    expected = torch.stack([m(x[c]) for c, m in enumerate(copies)])
+    torch.testing.assert_close(batched_forward(copies[0])(params, x), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, capsys) -> None:
+    from fedaccel.config import ConfigError
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    base = {"algo": "scaffold", "num-server-rounds": 1, "clients-per-round": 2,
+            "synthetic.max-samples": 60, "results-dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*scaffold's local solver overrides"):
+        run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
+    run_local(fuse(default_run_config(), base), num_clients=4)
+    assert "clients train one after another (scaffold's local solver overrides" in capsys.readouterr().err
+    run_local(fuse(default_run_config(), {**base, "algo": "fedprox"}), num_clients=4)
+    assert "each round's clients train as one batched model" in capsys.readouterr().err
