@@ -124,7 +124,7 @@ class RunConfig:
     round_timeout: float = 600.0
     train_samples: int = 0
     clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
-    cohort_batching: str = "auto"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
+    cohort_batching: str = "off"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

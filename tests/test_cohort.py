@@ -172,7 +172,7 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
             "synthetic.max-samples": 60, "results-dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*scaffold's local solver overrides"):
         run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
-    run_local(fuse(default_run_config(), base), num_clients=4)
+    run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
     assert "clients train one after another (scaffold's local solver overrides" in capsys.readouterr().err
-    run_local(fuse(default_run_config(), {**base, "algo": "fedprox"}), num_clients=4)
+    run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "auto"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err
