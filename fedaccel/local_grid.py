@@ -146,8 +146,7 @@ class LocalGrid(Grid):
         try:
             replies = self.cohort_trainer(items)
         except Exception as err:  # a client failure is a reply, as in Flower
-            reason = "".join(traceback.format_exception_only(type(err), err)).strip()
-            replies = [Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=m) for m, _ in items]
+            replies = [_exception_reply(m, err) for m in messages]
         for message_id, reply in zip(message_ids, replies):
             self._replies[message_id] = reply
 
@@ -159,6 +158,11 @@ class LocalGrid(Grid):
         try:
             reply = self.client_app(message, context)
         except Exception as err:  # a client failure is a reply, as in Flower
-            reason = "".join(traceback.format_exception_only(type(err), err)).strip()
-            return Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+            return _exception_reply(message, err)
         return reply
+
+
+def _exception_reply(message: Message, err: BaseException) -> Message:
+    """The error reply Flower's engines give for an exception in the ClientApp."""
+    reason = "".join(traceback.format_exception_only(type(err), err)).strip()
+    return Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)

@@ -33,7 +33,7 @@ from flwr.common.constant import ErrorCode
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.cohort import CohortJob, fallback_reason, fit_cohort
-from fedaccel.clients.state import choose_backend, open_client_state
+from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into
 from fedaccel.contract import ContractError
@@ -185,10 +185,20 @@ def prepare_clients(contexts: list[Context]) -> None:
             return
 
 
+def _message_config(msg: Message) -> dict[str, Any]:
+    return dict(msg.content.config_records.get("config", ConfigRecord()))
+
+
 def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:
     load_into(rt.model, msg.content["arrays"])
-    config = msg.content.config_records.get("config", ConfigRecord())
-    return dict(config)
+    return _message_config(msg)
+
+
+def _round_inputs(rt: ClientRuntime, context: Context, config: dict[str, Any]) -> tuple[ClientState, torch.Generator]:
+    """This client's state store and its seeded generator for the round in ``config``."""
+    server_round = int(config.get("server-round", 0))
+    state = open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id, rt.partition_id, context.state)
+    return state, seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
 
 
 def node_label(context: Context) -> str:
@@ -235,10 +245,7 @@ def _train(msg: Message, context: Context) -> Message:
     """Local training with the algorithm's solver; replies weights + metrics."""
     rt = client_runtime(context)
     config = _load_global(rt, msg)
-    server_round = int(config.get("server-round", 0))
-    generator = seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
-    state = open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
-                              rt.partition_id, context.state)
+    state, generator = _round_inputs(rt, context, config)
     result = rt.solver.fit(rt.model, rt.train, config, state, generator, _received(msg))
     return _train_reply(msg, result)
 
@@ -284,13 +291,10 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
         shared = shared or rt
         solver = type(rt.solver)(rt.cfg)
         solver.initial_model = rt.solver.initial_model
-        config = dict(msg.content.config_records.get("config", ConfigRecord()))
-        server_round = int(config.get("server-round", 0))
+        config = _message_config(msg)
+        state, generator = _round_inputs(rt, context, config)
         jobs.append(CohortJob(
-            solver=solver, data=rt.train, config=config,
-            state=open_client_state(rt.state_mode, rt.cfg.state_dir, context.run_id,
-                                    rt.partition_id, context.state),
-            generator=seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train"),
+            solver=solver, data=rt.train, config=config, state=state, generator=generator,
             load_global=lambda model, msg=msg: load_into(model, msg.content["arrays"]),
             received=_received(msg)))
         where.append(i)

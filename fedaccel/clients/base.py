@@ -121,12 +121,17 @@ class LocalSolver:
         elementwise rule computes unchanged."""
         return g
 
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """Whether this solver replaces the shared loop's ``hook``."""
+        return getattr(cls, hook) is not getattr(LocalSolver, hook)
+
     def transform_gradients(self, model: torch.nn.Module) -> None:
         """Edit ``p.grad`` in place after backward, before the optimizer step:
         :meth:`gradient_rule` for every parameter. A solver whose step-time
         edit is not elementwise, or keeps a running sum, overrides this hook
         instead (and then trains per client only)."""
-        if type(self).gradient_rule is LocalSolver.gradient_rule:
+        if not self.overrides("gradient_rule"):
             return
         tensors = self.step_tensors()
         for i, p in enumerate(model.parameters()):

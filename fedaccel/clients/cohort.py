@@ -62,9 +62,8 @@ def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
 
     One line, for the log: the cohort trainer falls back to the per-client
     loop for the whole run rather than approximate anything."""
-    cls = type(solver)
     for hook in PER_CLIENT_HOOKS:
-        if getattr(cls, hook) is not getattr(LocalSolver, hook):
+        if solver.overrides(hook):
             return f"{cfg.algo}'s local solver overrides {hook}() (not yet written as a batchable gradient rule)"
     if float(getattr(cfg, "clip_norm", 0.0)) > 0:
         return "clip-norm > 0 (per-client gradient clipping is not batched yet)"
@@ -165,9 +164,8 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         ce = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view_as(real)
         losses = (ce * real).sum(dim=1) / real.sum(dim=1)
         return torch.autograd.grad(losses.sum(), params), losses.detach()
-    keys = list(template.step_tensors())
-    tensors = {k: [torch.stack([m.solver.step_tensors()[k][i] for m in cohort]) for i in range(len(names))]
-               for k in keys}
+    own = [m.solver.step_tensors() for m in cohort]
+    tensors = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(names))] for k in own[0]}
     holder = torch.nn.ParameterList([torch.nn.Parameter(torch.stack([m.start[i] for m in cohort]))
                                      for i in range(len(names))])
     optimizer = template.make_optimizer(holder, lr)
@@ -175,9 +173,11 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     loss_sum = torch.zeros(len(cohort), device=device)
     seen = torch.zeros(len(cohort), device=device)
     active = len(cohort)
-    plain_rule = type(template).gradient_rule is LocalSolver.gradient_rule
+    plain_rule = not template.overrides("gradient_rule")
     for t in range(index.shape[0]):
-        still = sum(1 for s in steps if s > t)  # clients are sorted by step count
+        still = active
+        while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
+            still -= 1
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still, active, trained)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
@@ -191,15 +191,15 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             p.grad = g
         optimizer.step()
         counts = real.sum(dim=1)
-        loss_sum[:active] += losses.detach() * counts
+        loss_sum[:active] += losses * counts
         seen[:active] += counts
     _retire(holder, optimizer, template, lr, 0, active, trained)
     metrics = [{"train-loss": float(loss_sum[c]) / max(float(seen[c]), 1.0), "local-steps": steps[c]}
                for c in range(len(cohort))]
-    back = [0] * len(cohort)
-    for pos, c in enumerate(order):
-        back[c] = pos
-    return [trained[back[c]] for c in range(len(members))], [metrics[back[c]] for c in range(len(members))]
+    weights_out, metrics_out = [None] * len(members), [None] * len(members)
+    for pos, c in enumerate(order):  # back to the members' order
+        weights_out[c], metrics_out[c] = trained[pos], metrics[pos]
+    return weights_out, metrics_out
 
 
 def _retire(holder: torch.nn.ParameterList, optimizer: torch.optim.Optimizer, template: LocalSolver,
