@@ -8,12 +8,16 @@ For each workload and algorithm, one invocation times, on this machine:
     arithmetic (FedAvg's weighted mean; FedCDR's Douglas-Rachford client step and
     ``x += sum g / n``; FedPM's FOOF-preconditioned local steps and Cholesky
     preconditioned mixing in float64, as the strategy does);
-(b) ``fast``: the project's in-process runner (``fedaccel-run``);
+(b) ``fast``: the project's in-process runner (``fedaccel-run``), clients one after
+    another (``cohort-batching='off'``);
+(b') ``cohort``: the same runner with the round's clients trained as one batched model
+    (``cohort-batching='on'``; not for FedPM, whose FOOF steps are not batched);
 (c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
     started cold for every run, 1 CPU per client).
 
-Workloads (100 clients, 10 per round, 1 local epoch): ``mlp-synthetic`` (MLP 60-32-10 on
-Synthetic-(1,1), batch 16), ``mlp-fmnist`` (MLP 784-128-10 on Fashion-MNIST, batch 32) and
+Workloads (100 clients, 10 per round unless ``--per-round``, 1 local epoch):
+``mlp-synthetic`` (MLP 60-32-10 on Synthetic-(1,1), batch 16), ``mlp-fmnist`` (MLP
+784-128-10 on Fashion-MNIST, batch 32), ``mlp200-fmnist`` (MLP 784-200-200-10, batch 32) and
 ``cnn-fmnist`` (the McMahan CNN on Fashion-MNIST, batch 32). Server evaluation happens
 before round 1 and after the last round only (``eval-every`` = rounds), in all three.
 
@@ -22,12 +26,14 @@ not the first, not the last, which carries the final evaluation), start-up (wall
 the whole process minus the rounds: interpreter, imports, data, model, Ray, teardown),
 peak resident memory (``ru_maxrss`` of the process for bare/fast; for ray the peak of the
 summed RSS of every process started during the run, which counts shared memory more than
-once), and the ratios fast/bare and ray/bare. Also the cost of one evaluation of the
+once), and the ratios fast/bare, cohort/bare and ray/bare. Also the cost of one evaluation of the
 global model on the server test set.
 
     python bench/overhead.py --repeat 3                       # everything, ~45 min here
     python bench/overhead.py --workloads mlp-synthetic --modes bare fast --rounds 8
     python bench/overhead.py --scale                          # 100 vs 1,000 clients (fast runner)
+    python bench/overhead.py --workloads mlp-synthetic --algos fedavg --modes bare fast cohort \
+        --per-round 100 --repeat 3                            # a whole cohort of 100 per round
     python bench/overhead.py --phase table                    # re-tabulate results.jsonl
 
 Rounds per run: 20 on the MLP workloads, 5 on the CNN (``--rounds`` sets all). With
@@ -65,21 +71,25 @@ if str(ROOT) not in sys.path:
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp-synthetic": {"dataset": "synthetic", "model": "mlp", "batch-size": 16},
     "mlp-fmnist": {"dataset": "fashion-mnist", "model": "mlp", "batch-size": 32},
+    "mlp200-fmnist": {"dataset": "fashion-mnist", "model": "mlp200", "batch-size": 32},
     "cnn-fmnist": {"dataset": "fashion-mnist", "model": "cnn", "batch-size": 32},
 }
 ALGOS = ("fedavg", "fedcdr", "fedpm")
-ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
-MODES = ("bare", "fast", "ray")
+ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
+MODES = ("bare", "fast", "cohort", "ray")
+UNBATCHED = ("fedpm",)  # no cohort mode: FOOF steps train per client
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
 
-def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str) -> dict[str, Any]:
+def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str,
+              per_round: int = 10, mode: str = "fast") -> dict[str, Any]:
     # the bare loop's FedPM uploads the end-of-round FOOF matrix (what the
     # recorded measurements ran; FedPM's default is now upload 'used')
     fedpm = {"fedpm.upload": "end"} if algo == "fedpm" else {}
     return {**fedpm,
         **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
-        "clients-per-round": 10, "local-epochs": 1, "eval-every": rounds, "accl-every": 0,
+        "clients-per-round": per_round, "local-epochs": 1,
+        "cohort-batching": "on" if mode == "cohort" else "off", "eval-every": rounds, "accl-every": 0,
         "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
         # the bare loop does not clip (FedPM's default is now clip-norm 1.0)
         "clip-norm": 0,
@@ -309,16 +319,16 @@ def ray_run(ov: dict[str, Any], clients: int, env: dict[str, str]) -> dict[str, 
 def child(args: argparse.Namespace) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     ov = json.loads(args.child_overrides)
-    out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)
+    out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)  # fast and cohort: fast_run
     out.pop("final", None)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp: Path,
-            env: dict[str, str] | None) -> dict[str, Any]:
-    name = f"{workload}-{algo}-{mode}-{clients}"
-    ov = overrides(workload, algo, rounds, clients, tmp, name)
+            env: dict[str, str] | None, per_round: int = 10) -> dict[str, Any]:
+    name = f"{workload}-{algo}-{mode}-{clients}-{per_round}"
+    ov = overrides(workload, algo, rounds, clients, tmp, name, per_round, mode)
     start = time.perf_counter()
     if mode == "ray":
         res = ray_run(ov, clients, env)
@@ -332,7 +342,8 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
         res["wall"] = time.perf_counter() - start
     secs = res["round_seconds"]
     middle = secs[1:-1] if len(secs) > 2 else secs
-    return {"workload": workload, "algo": algo, "mode": mode, "clients": clients, "rounds": rounds,
+    return {"workload": workload, "algo": algo, "mode": mode, "clients": clients, "per_round": per_round,
+            "rounds": rounds,
             "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T")}
@@ -362,38 +373,45 @@ def load(out: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            latest[(r["workload"], r["algo"], r["mode"], r["clients"], bool(r.get("scale")))] = r
+            latest[(r["workload"], r["algo"], r["mode"], r["clients"], r.get("per_round", 10),
+                    bool(r.get("scale")))] = r
     return list(latest.values())
 
 
 def write_table(out: Path) -> None:
     recs = load(out)
-    cells = {(r["workload"], r["algo"], r["mode"], r["clients"]): r for r in recs if not r.get("scale")}
-    lines = ["# Per-round overhead: bare PyTorch loop vs fast runner vs Flower's Ray simulation", "",
+    cells = {(r["workload"], r["algo"], r["mode"], r["clients"], r.get("per_round", 10)): r
+             for r in recs if not r.get("scale")}
+    lines = ["# Per-round overhead: bare PyTorch loop vs fast runner (per client, and cohort-batched) "
+             "vs Flower's Ray simulation", "",
              "Seconds per round: median over rounds 2..R-1 (with --repeat: the median of the runs' medians). "
              "Start-up: process wall time minus the rounds. "
-             "Peak RSS: bare/fast = the process's ru_maxrss; ray = peak of the summed RSS of every process "
-             "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once).", "",
-             "| workload | algo | bare s/round | fast s/round | ray s/round | fast/bare | ray/bare | "
-             "start-up bare / fast / ray (s) | peak RSS bare / fast / ray (MB) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Peak RSS: bare/fast/cohort = the process's ru_maxrss; ray = peak of the summed RSS of every process "
+             "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once). "
+             "Ratios are time per round over the bare loop's: below 1 is faster than the bare loop.", "",
+             "| workload | algo | per round | bare s/round | fast s/round | cohort s/round | ray s/round | "
+             "fast/bare | cohort/bare | ray/bare | start-up bare / fast / cohort / ray (s) | "
+             "peak RSS bare / fast / cohort / ray (MB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    per_rounds = sorted({key[4] for key in cells})
     for w in WORKLOADS:
         for a in ALGOS:
-            row = {m: cells.get((w, a, m, 100)) for m in MODES}
-            if not any(row.values()):
-                continue
+            for k in per_rounds:
+                row = {m: cells.get((w, a, m, 100, k)) for m in MODES}
+                if not any(row.values()):
+                    continue
 
-            def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
-                return fmt.format(row[m][key]) if row[m] else "-"
+                def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
+                    return fmt.format(row[m][key]) if row[m] else "-"
 
-            def ratio(m: str) -> str:
-                return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
-                    if row[m] and row["bare"] else "-"
-            lines.append(f"| {w} | {a} | {f('bare', 'median_round_s')} | {f('fast', 'median_round_s')} | "
-                         f"{f('ray', 'median_round_s')} | {ratio('fast')} | {ratio('ray')} | "
-                         f"{f('bare', 'startup_s', '{:.1f}')} / {f('fast', 'startup_s', '{:.1f}')} / "
-                         f"{f('ray', 'startup_s', '{:.1f}')} | {f('bare', 'peak_rss_mb', '{:.0f}')} / "
-                         f"{f('fast', 'peak_rss_mb', '{:.0f}')} / {f('ray', 'peak_rss_mb', '{:.0f}')} |")
+                def ratio(m: str) -> str:
+                    return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
+                        if row[m] and row["bare"] else "-"
+                lines.append(
+                    f"| {w} | {a} | {k} | " + " | ".join(f(m, "median_round_s") for m in MODES) + " | "
+                    + " | ".join(ratio(m) for m in MODES[1:]) + " | "
+                    + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
+                    + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
     evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}
     if evals:
         lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "
@@ -420,10 +438,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate the bare and fast runs of each cell N times; report the median")
     p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--per-round", type=int, default=10, help="clients per round (default 10)")
     p.add_argument("--scale", action="store_true",
                    help="fast runner, mlp-synthetic, FedAvg and FedCDR at 100 and 1,000 clients")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
-    p.add_argument("--child", choices=["bare", "fast"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["bare", "fast", "cohort"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -436,7 +455,8 @@ def main(argv=None) -> int:
             if args.scale:
                 groups = [[("fast", "mlp-synthetic", a, n)] for a in ("fedavg", "fedcdr") for n in (100, 1000)]
             else:
-                groups = [[(m, w, a, args.clients) for m in args.modes]
+                groups = [[(m, w, a, args.clients) for m in args.modes
+                           if not (m == "cohort" and a in UNBATCHED)]
                           for w in args.workloads for a in args.algos]
             for i, group in enumerate(groups, 1):
                 runs: dict[str, list[dict[str, Any]]] = {}
@@ -446,9 +466,10 @@ def main(argv=None) -> int:
                         if rep and mode == "ray":
                             continue
                         rounds = args.rounds or ROUNDS[w]
-                        rec = measure(mode, w, a, rounds, n, Path(tmp), env)
+                        rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round)
                         runs.setdefault(mode, []).append(rec)
-                        print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} run {rep + 1}: "
+                        print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} per round {args.per_round} "
+                              f"run {rep + 1}: "
                               f"{rec['median_round_s']:.3f} s/round, start-up {rec['startup_s']:.1f} s, "
                               f"peak RSS {rec['peak_rss_mb']:.0f} MB", flush=True)
                 for mode, recs in runs.items():

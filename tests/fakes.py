@@ -65,6 +65,7 @@ def quadratic_local_steps(solver, model, lr: float, h, c, steps: int) -> None:
         model.weight.grad = torch.tensor((h @ z - c)[None])
         solver.transform_gradients(model)
         opt.step()
+    solver.local_steps = steps  # what close_round() sets from the trainer's report
 
 
 def train_config(server_round: int = 1, lr: float = 1.0, local_epochs: int = 1, **values):

@@ -17,6 +17,7 @@ from flwr.app import RecordDict
 
 from fakes import run_cfg
 from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients.cohort import CohortJob, batched_forward, fallback_reason, fit_cohort
 from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
@@ -27,13 +28,41 @@ from fedaccel.torch_utils import seeded_generator
 ATOL, RTOL = 2e-6, 1e-5  # float32: the batched kernels sum in another order
 SIZES = [37, 5, 16, 90, 17, 1, 33]  # ragged: 1..6 steps per epoch at batch 16, one client of 1 sample
 EXTRA = {"fedprox": {"proximal-mu": 0.1}}
-BATCHABLE = {
-    "fedavg": {"momentum": 0.9, "weight-decay": 1e-3},
-    "fedprox": {"momentum": 0.5},
-    "fedacg": {"fedacg.beta": 0.2},
-    "feddyn": {"feddyn.alpha": 0.1, "weight-decay": 1e-3},
-    "fedrkmgc": {"momentum": 0.9},
-}
+# (case id, algo, run-config changes): every algorithm the cohort trainer
+# batches, and the layers that compose with them (clipping, local GC)
+BATCHABLE = [
+    ("fedavg", "fedavg", {"momentum": 0.9, "weight-decay": 1e-3}),
+    ("fedprox", "fedprox", {"momentum": 0.5}),
+    ("fedacg", "fedacg", {"fedacg.beta": 0.2}),
+    ("feddyn", "feddyn", {"feddyn.alpha": 0.1, "weight-decay": 1e-3}),
+    ("fedrkmgc", "fedrkmgc", {"momentum": 0.9}),
+    ("scaffold", "scaffold", {"momentum": 0.9, "weight-decay": 1e-3}),
+    ("scaffold-option-ii", "scaffold", {"momentum": 0.0, "scaffold.cv-update": "option-ii"}),
+    ("fednova", "fednova", {"momentum": 0.9}),
+    ("fedcdr", "fedcdr", {"momentum": 0.9, "weight-decay": 5e-4, "fedcdr.eta": 0.5}),
+    ("feddr-local-start", "feddr", {"feddr.prox-start": "local", "feddr.init": "zeros", "feddr.eta": 0.5}),
+    ("clip", "fedprox", {"momentum": 0.9, "clip-norm": 0.3}),
+    ("local-gc", "fedavg", {"momentum": 0.9, "weight-decay": 1e-2, "gc.mode": "local"}),
+    ("gcfed-vectors-mean", "gcfed", {"weight-decay": 1e-2, "gc.vectors": "mean", "gc.weight-decay": "raw"}),
+    ("local-gc-and-clip", "scaffold", {"momentum": 0.9, "weight-decay": 1e-2, "gc.mode": "local",
+                                       "clip-norm": 0.3}),
+]
+STATE_GROUP = {"fedcdr": "dr", "feddr": "dr"}  # the name a solver keeps its state under
+
+
+def received_for(algo: str, model: torch.nn.Module) -> dict:
+    """The records a server sends beside the model (SCAFFOLD's ``c``)."""
+    if algo != "scaffold":
+        return {}
+    gen = torch.Generator().manual_seed(5)
+    return {C_RECORD: control_variate_record({k: 0.1 * torch.randn(p.shape, generator=gen).numpy()
+                                              for k, p in model.named_parameters()})}
+
+
+def new_solver(cfg, model: torch.nn.Module) -> LocalSolver:
+    solver = get_algorithm(cfg.algo).solver(cfg)
+    solver.initial_model = copy.deepcopy(model.state_dict())  # x0, as the ClientApp sets it
+    return solver
 
 
 def clients(sizes=SIZES, shape=(6,), classes: int = 3, seed: int = 0) -> list[TrainData]:
@@ -54,47 +83,56 @@ def config_for(algo: str, server_round: int, lr: float = 0.1) -> dict:
 
 
 def per_client_round(cfg, model, datas, states, server_round):
-    weights, metrics = [], []
+    weights, metrics, extras = [], [], []
     for c, data in enumerate(datas):
         local = copy.deepcopy(model)
-        solver = get_algorithm(cfg.algo).solver(cfg)
-        result = solver.fit(local, data, config_for(cfg.algo, server_round), states[c],
-                            seeded_generator(cfg.seed, server_round, c, "train"))
-        weights.append([p.detach().clone() for p in local.parameters()])
+        result = new_solver(cfg, model).fit(local, data, config_for(cfg.algo, server_round), states[c],
+                                            seeded_generator(cfg.seed, server_round, c, "train"),
+                                            received_for(cfg.algo, model))
+        weights.append([torch.from_numpy(a.numpy()) for a in result.arrays.values()])
         metrics.append(result.metrics)
-    return weights, metrics
+        extras.append(result.extra)
+    return weights, metrics, extras
 
 
 def cohort_round(cfg, model, datas, states, server_round):
     scratch = copy.deepcopy(model)
     start = copy.deepcopy(model.state_dict())
-    jobs = [CohortJob(solver=get_algorithm(cfg.algo).solver(cfg), data=data,
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data,
                       config=config_for(cfg.algo, server_round), state=states[c],
                       generator=seeded_generator(cfg.seed, server_round, c, "train"),
-                      load_global=lambda m: m.load_state_dict(start))
+                      load_global=lambda m: m.load_state_dict(start),
+                      received=received_for(cfg.algo, model))
             for c, data in enumerate(datas)]
     results = fit_cohort(scratch, jobs, cfg.batch_size)
     weights = []
     for result in results:
         assert not isinstance(result, BaseException), result
         weights.append([torch.from_numpy(a.numpy()) for a in result.arrays.values()])
-    return weights, [r.metrics for r in results]
+    return weights, [r.metrics for r in results], [r.extra for r in results]
 
 
 def assert_same_round(a, b) -> None:
-    (wa, ma), (wb, mb) = a, b
+    (wa, ma, ea), (wb, mb, eb) = a, b
     for c, (x, y) in enumerate(zip(wa, wb)):
         for p, q in zip(x, y):
             torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=f"client {c}")
     for x, y in zip(ma, mb):
         assert x["local-steps"] == y["local-steps"] and x["num-examples"] == y["num-examples"]
         assert x["train-loss"] == pytest.approx(y["train-loss"], rel=1e-5)
+    for c, (x, y) in enumerate(zip(ea, eb)):  # SCAFFOLD's dc, FedNova's ||a||_1
+        assert list(x) == list(y)
+        for name in x:
+            for key in x[name]:
+                torch.testing.assert_close(torch.from_numpy(x[name][key].numpy()),
+                                           torch.from_numpy(y[name][key].numpy()),
+                                           atol=ATOL, rtol=RTOL, msg=f"client {c} {name}.{key}")
 
 
-@pytest.mark.parametrize("algo", sorted(BATCHABLE))
-def test_a_batched_round_equals_the_per_client_round(algo: str) -> None:
+@pytest.mark.parametrize("algo, changes", [case[1:] for case in BATCHABLE], ids=[case[0] for case in BATCHABLE])
+def test_a_batched_round_equals_the_per_client_round(algo: str, changes: dict) -> None:
     """Two rounds, so state written in round 1 is read in round 2."""
-    cfg = run_cfg(algo, **{"batch-size": 16, **BATCHABLE[algo]})
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
     model, datas = make_model(), clients()
     assert fallback_reason(get_algorithm(algo).solver(cfg), cfg, model, augment=False) is None
     states_a = [ContextState(RecordDict()) for _ in datas]
@@ -103,29 +141,44 @@ def test_a_batched_round_equals_the_per_client_round(algo: str) -> None:
         expected = per_client_round(cfg, model, datas, states_a, server_round)
         got = cohort_round(cfg, model, datas, states_b, server_round)
         assert_same_round(expected, got)
-        # the next round starts from the mean, as a server would send it
+        # the next round starts from the mean of the replies (weights, or for
+        # Douglas-Rachford model differences), as a server's would
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
-                p.copy_(torch.stack([w[i] for w in expected[0]]).mean(0))
+                mean = torch.stack([w[i] for w in expected[0]]).mean(0)
+                p.add_(mean) if algo in STATE_GROUP else p.copy_(mean)
+    stateful = get_algorithm(algo).solver.state_copies > 0
     for a, b in zip(states_a, states_b):
         assert a.versions() == b.versions()
-        kept_a, kept_b = a.get(algo, torch.device("cpu")), b.get(algo, torch.device("cpu"))
-        assert (kept_a is None) == (kept_b is None) == (algo not in ("feddyn", "fedrkmgc"))
+        group = STATE_GROUP.get(algo, algo)
+        kept_a, kept_b = a.get(group, torch.device("cpu")), b.get(group, torch.device("cpu"))
+        assert (kept_a is not None) == (kept_b is not None) == stateful
         for key in kept_a or {}:
             torch.testing.assert_close(kept_a[key], kept_b[key], atol=ATOL, rtol=RTOL)
 
 
+def test_the_clip_and_local_gc_cases_really_clip_and_centralize() -> None:
+    """The clip and GC cases above would pass vacuously if the clip never
+    acted or GC had nothing to do: check that they change the round."""
+    datas = clients()
+    for changes, without in (({"clip-norm": 0.3}, {"clip-norm": 0.0}),
+                             ({"gc.mode": "local"}, {"gc.mode": "none"})):
+        rounds = []
+        for c in (changes, without):
+            cfg = run_cfg("fedavg", **{"batch-size": 16, "momentum": 0.9, **c})
+            rounds.append(cohort_round(cfg, make_model(), datas, [None] * len(datas), 1)[0])
+        assert max(float((p - q).abs().max()) for x, y in zip(*rounds) for p, q in zip(x, y)) > 1e-3
+
+
 def test_steps_and_losses_follow_each_clients_own_size() -> None:
     cfg = run_cfg("fedavg", **{"batch-size": 16})
-    _, metrics = cohort_round(cfg, make_model(), clients(), [None] * len(SIZES), 1)
+    _, metrics, _ = cohort_round(cfg, make_model(), clients(), [None] * len(SIZES), 1)
     assert [m["local-steps"] for m in metrics] == [2 * -(-n // 16) for n in SIZES]
 
 
 @pytest.mark.parametrize("algo, changes, words", [
-    ("scaffold", {}, "overrides transform_gradients"),
     ("fedpm", {}, "overrides"),
-    ("fedavg", {"clip-norm": 1.0}, "clip-norm"),
-    ("fedavg", {"gc.mode": "local"}, "gc.mode='local'"),
+    ("localnewton", {}, "overrides"),
 ])
 def test_what_cannot_be_batched_says_why(algo, changes, words) -> None:
     cfg = run_cfg(algo, **changes)
@@ -168,11 +221,11 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     from fedaccel.config import ConfigError
     from fedaccel.local_run import default_run_config, fuse, run_local
 
-    base = {"algo": "scaffold", "num-server-rounds": 1, "clients-per-round": 2,
+    base = {"algo": "fedpm", "num-server-rounds": 1, "clients-per-round": 2,
             "synthetic.max-samples": 60, "results-dir": str(tmp_path)}
-    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*scaffold's local solver overrides"):
+    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*fedpm's local solver overrides"):
         run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
-    assert "clients train one after another (scaffold's local solver overrides" in capsys.readouterr().err
+    assert "clients train one after another (fedpm's local solver overrides" in capsys.readouterr().err
     run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "auto"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err

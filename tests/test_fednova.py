@@ -101,6 +101,7 @@ def injected_steps(momentum, wd, lr=0.1):
         model.weight.grad = torch.tensor([g], dtype=F64)
         solver.transform_gradients(model)
         opt.step()
+    solver.local_steps = len(GRADS)  # what close_round() sets from the trainer's report
     return model.weight.detach().numpy()[0], solver.end_round(model, state)
 
 

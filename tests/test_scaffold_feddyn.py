@@ -71,6 +71,7 @@ def sgd_steps(solver, model, grads, lr):
         model.weight.grad = torch.tensor([g], dtype=model.weight.dtype)
         solver.transform_gradients(model)
         opt.step()
+    solver.local_steps = len(grads)  # what close_round() sets from the trainer's report
 
 
 # --------------------------------------------------------------------------- #

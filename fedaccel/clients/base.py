@@ -77,6 +77,10 @@ class LocalSolver:
 
     state_copies = 0  # model-sized tensors kept per client between rounds
     messages = NO_EXTRAS  # FedAvg adds nothing to the common messages
+    # Keys of step_tensors() that gradient_rule updates in place, step after
+    # step (running sums such as SCAFFOLD's); the cohort trainer writes them
+    # back to each client's own tensors after the round.
+    accumulators: tuple[str, ...] = ()
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -87,6 +91,9 @@ class LocalSolver:
         # ArrayRecords the server sent beside the model this round (e.g.
         # SCAFFOLD's control variate), set by fit() before begin_round.
         self.received: dict[str, ArrayRecord] = {}
+        # local steps taken this round, set by close_round() before end_round
+        # from the trainer's report (the per-client loop or the cohort trainer)
+        self.local_steps = 0
         self._state_lost = False  # set by open_round: the state the server counts on is gone
 
     # ----------------------------------------------------------------- hooks
@@ -112,7 +119,9 @@ class LocalSolver:
         elementwise function of its weight ``w``, its task gradient ``g`` and
         this client's ``tensors`` for that parameter (:meth:`step_tensors`);
         scalars come from the run and round config, the same for every client
-        of a round. FedAvg: ``g``.
+        of a round. FedAvg: ``g``. The only side effect allowed is a running
+        sum into this client's tensors named in :attr:`accumulators`
+        (``acc.add_(...)``, elementwise too).
 
         Written once, it serves both trainers: the per-client loop applies it
         to each parameter (:meth:`transform_gradients`), and the cohort trainer
@@ -240,6 +249,7 @@ class LocalSolver:
                     metrics: dict[str, float | int]) -> LocalResult:
         """Everything after the local steps, from the trained weights in
         ``model``: :meth:`end_round`, :meth:`upload`, seal the state."""
+        self.local_steps = int(metrics.get("local-steps", 0))
         extra = self.end_round(model, state)
         self.messages.check_records(self.cfg.algo, "to_server", extra)
         result_arrays = self.upload(model, state)

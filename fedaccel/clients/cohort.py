@@ -1,12 +1,13 @@
 """Train a round's cohort of clients as one batched model.
 
 The clients of a round share the model architecture, so their local steps can
-run together: their weights are stacked along a first "client" dimension and
-one call of ``torch.func.vmap(grad(loss))`` computes every client's gradient
-on its own mini-batch (``functional_call`` of the one model with each
-client's weights), one kernel per layer for the whole cohort. For the small
-models of federated benchmarks a step is dominated by per-call overhead, which
-this pays once per cohort instead of once per client.
+run together: their weights are stacked along a first "client" dimension, the
+forward pass runs every client's mini-batch through its own weights at once
+(the model's ``batched_forward``, or ``vmap(functional_call(model, ...))``),
+and one backward of the sum of the clients' losses gives each client the
+gradient of its own loss (their weights are disjoint). For the small models
+of federated benchmarks a step is dominated by per-call overhead, which this
+pays once per cohort instead of once per client.
 
 Nothing of an algorithm is written twice. Per step, as in
 :meth:`fedaccel.clients.base.LocalSolver.run_epochs`:
@@ -14,7 +15,13 @@ Nothing of an algorithm is written twice. Per step, as in
 - the task gradient: cross-entropy of the client's mini-batch;
 - the algorithm's edit: the solver's own
   :meth:`~fedaccel.clients.base.LocalSolver.gradient_rule`, elementwise, so it
-  is applied unchanged to the stacked tensors;
+  is applied unchanged to the stacked tensors (running sums it keeps, in
+  :attr:`~fedaccel.clients.base.LocalSolver.accumulators`, are written back
+  to each client after the round);
+- the composed layers: local gradient centralization
+  (:func:`fedaccel.clients.composition.client_gradient_transforms` with the
+  client dimension leading) and ``clip-norm`` (torch's
+  ``clip_grad_norm_`` formula per client, :func:`clip_grad_norm_per_client`);
 - the step: the solver's own ``make_optimizer`` (``torch.optim.SGD``, whose
   update is elementwise too) over the stacked weights.
 
@@ -48,7 +55,7 @@ from torch.func import functional_call, vmap
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
-from fedaccel.clients.gradient_centralization import gc_partition
+from fedaccel.clients.composition import client_gradient_transforms
 from fedaccel.config import RunConfig
 
 # Hooks whose override means the solver's step is more than an elementwise
@@ -65,13 +72,6 @@ def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
     for hook in PER_CLIENT_HOOKS:
         if solver.overrides(hook):
             return f"{cfg.algo}'s local solver overrides {hook}() (not yet written as a batchable gradient rule)"
-    if float(getattr(cfg, "clip_norm", 0.0)) > 0:
-        return "clip-norm > 0 (per-client gradient clipping is not batched yet)"
-    gc = getattr(cfg, "gc", None)
-    if gc is not None and gc.mode != "none":
-        local, _ = gc_partition(gc.mode, list(model.named_parameters()), gc.lam, gc.global_layers)
-        if local:
-            return f"gc.mode={gc.mode!r} centralizes local gradients (not batched yet)"
     if augment:
         return "data augmentation draws random crops per batch from each client's generator"
     if any(True for _ in model.buffers()):
@@ -165,10 +165,14 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         losses = (ce * real).sum(dim=1) / real.sum(dim=1)
         return torch.autograd.grad(losses.sum(), params), losses.detach()
     own = [m.solver.step_tensors() for m in cohort]
-    tensors = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(names))] for k in own[0]}
+    stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(names))] for k in own[0]}
+    tensors = stacked  # the active clients' rows (views: accumulators write through)
     holder = torch.nn.ParameterList([torch.nn.Parameter(torch.stack([m.start[i] for m in cohort]))
                                      for i in range(len(names))])
     optimizer = template.make_optimizer(holder, lr)
+    cfg = template.cfg
+    composed = client_gradient_transforms(cfg, model, optimizer, list(holder), leading=1)
+    clip_norm = float(getattr(cfg, "clip_norm", 0.0))
     trained: list[list[torch.Tensor] | None] = [None] * len(cohort)
     loss_sum = torch.zeros(len(cohort), device=device)
     seen = torch.zeros(len(cohort), device=device)
@@ -180,6 +184,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             still -= 1
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still, active, trained)
+            composed = client_gradient_transforms(cfg, model, optimizer, list(holder), leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
         idx, real = index[t, :active], mask[t, :active]
@@ -189,17 +194,39 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             if not plain_rule:
                 g = template.gradient_rule(p.detach(), g, {k: vs[i] for k, vs in tensors.items()})
             p.grad = g
+        for transform in composed:  # local GC, as in the per-client loop
+            transform()
+        if clip_norm > 0:
+            clip_grad_norm_per_client(list(holder), clip_norm)
         optimizer.step()
         counts = real.sum(dim=1)
         loss_sum[:active] += losses * counts
         seen[:active] += counts
     _retire(holder, optimizer, template, lr, 0, active, trained)
+    for key in template.accumulators:  # the rule's running sums, back to each client
+        for c, o in enumerate(own):
+            for i, v in enumerate(stacked[key]):
+                o[key][i].copy_(v[c])
     metrics = [{"train-loss": float(loss_sum[c]) / max(float(seen[c]), 1.0), "local-steps": steps[c]}
                for c in range(len(cohort))]
     weights_out, metrics_out = [None] * len(members), [None] * len(members)
     for pos, c in enumerate(order):  # back to the members' order
         weights_out[c], metrics_out[c] = trained[pos], metrics[pos]
     return weights_out, metrics_out
+
+
+def clip_grad_norm_per_client(params: list[torch.Tensor], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_(client's params, max_norm)`` for every
+    client at once: ``params`` stack the clients along dim 0, and each
+    client's gradient is scaled by ``min(1, max_norm / (||g_c|| + 1e-6))``,
+    ``||g_c||`` the 2-norm over all of that client's parameters (torch's
+    formula, written batched here because torch's clips one total norm)."""
+    grads = [p.grad for p in params]
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads], dim=1)
+    total = torch.linalg.vector_norm(norms, dim=1)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.view((-1,) + (1,) * (g.dim() - 1)))
 
 
 def _retire(holder: torch.nn.ParameterList, optimizer: torch.optim.Optimizer, template: LocalSolver,

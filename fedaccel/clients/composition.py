@@ -24,7 +24,7 @@ Layers wired here:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from flwr.app import ArrayRecord
@@ -37,23 +37,33 @@ UpdateTransform = Callable[[ArrayRecord, ArrayRecord], ArrayRecord]
 
 
 def client_gradient_transforms(cfg: RunConfig, model: torch.nn.Module,
-                               optimizer: torch.optim.Optimizer) -> list[GradientTransform]:
+                               optimizer: torch.optim.Optimizer,
+                               params: Sequence[torch.Tensor] | None = None,
+                               leading: int = 0) -> list[GradientTransform]:
     """Gradient transforms for this run's local steps (local GC); ``optimizer``
     is the one the solver steps with (its weight decay matters, see
-    :func:`optimizer_weight_decay`)."""
+    :func:`optimizer_weight_decay`).
+
+    They act on ``model``'s parameters, or on ``params`` (aligned with
+    ``model.parameters()``, each with ``leading`` batch dims in front: the
+    cohort trainer's stacked clients), which ``optimizer`` then steps."""
     out: list[GradientTransform] = []
+    names = [n for n, _ in model.named_parameters()]
+    named = list(zip(names, params)) if params is not None else list(model.named_parameters())
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode != "none":
-        local, _ = gc_partition(gc.mode, list(model.named_parameters()), gc.lam, gc.global_layers)
+        local, _ = gc_partition(gc.mode, names, gc.lam, gc.global_layers)
         if local:
-            decay = optimizer_weight_decay(optimizer, model) if gc.weight_decay == "centralized" else None
-            out.append(local_gc_transform(model, local, gc.vectors, decay))
+            decay = optimizer_weight_decay(optimizer, named) if gc.weight_decay == "centralized" else None
+            out.append(local_gc_transform(named, local, gc.vectors, decay, leading))
     return out
 
 
-def optimizer_weight_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+def optimizer_weight_decay(optimizer: torch.optim.Optimizer,
+                           model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Per tensor name, the weight decay ``optimizer`` adds to ``p.grad``
-    inside ``optimizer.step()``, i.e. after the gradient transforms.
+    inside ``optimizer.step()``, i.e. after the gradient transforms
+    (``model``: a module, or ``(name, tensor)`` pairs the optimizer steps).
 
     Read from the optimizer the solver built (its param groups), not from
     ``weight-decay``: a solver may build its optimizer without decay and add
@@ -61,9 +71,10 @@ def optimizer_weight_decay(optimizer: torch.optim.Optimizer, model: torch.nn.Mod
     precondition it), in which case GC already sees it and nothing is to be
     corrected (an empty dict).
     """
+    named = model.named_parameters() if isinstance(model, torch.nn.Module) else model
     by_id = {id(p): float(group.get("weight_decay", 0.0))
              for group in optimizer.param_groups for p in group["params"]}
-    return {n: by_id[id(p)] for n, p in model.named_parameters() if by_id.get(id(p), 0.0)}
+    return {n: by_id[id(p)] for n, p in named if by_id.get(id(p), 0.0)}
 
 
 def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:

@@ -133,17 +133,20 @@ class DouglasRachfordSolver(LocalSolver):
         self.inv_eta = 1.0 / float(self.params.eta)
         if self.params.prox_start == "local":
             model.load_state_dict(x_local)
-        names = dict(model.named_parameters())
-        self._pairs = [(p, self.y[name]) for name, p in names.items()]
+        self._anchors = [self.y[name] for name, _ in model.named_parameters()]
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        for p, y in self._pairs:
-            p.grad.add_(p.detach() - y, alpha=self.inv_eta)
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"y": self._anchors}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g + (z - y_i) / eta``: the gradient of the prox objective
+        ``f_i(z) + 1/(2 eta) ||z - y_i||^2`` (Algorithm 1, line 7, second update)."""
+        return g.add(w - tensors["y"], alpha=self.inv_eta)
 
     def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
         x_new = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())  # put() copies
         xhat_new = OrderedDict((k, reflect(x_new[k], self.y[k])) for k in x_new)
         g = OrderedDict((k, (xhat_new[k] - self.xhat[k]).cpu()) for k in x_new)
         state.put("dr", flat_groups({"y": self.y, "x": x_new, "xhat": xhat_new}))
-        self._pairs = []
+        self._anchors = []
         return tensors_to_record(g)

@@ -15,8 +15,9 @@ Section 4.1 writes any such solver's cumulative change as
 
 ``G_i`` the ``tau_i`` stochastic gradients of the round (columns) and
 ``a_i >= 0`` the weight each one gets in the displacement; the server of eq.
-(4)/(11) divides ``x - y_i`` by ``||a_i||_1``. This solver counts its optimizer
-steps and uploads ``||a_i||_1``:
+(4)/(11) divides ``x - y_i`` by ``||a_i||_1``. This solver takes ``tau_i`` from the
+trainer's step count (the per-client loop's or the cohort trainer's
+``local-steps``) and uploads ``||a_i||_1``:
 
 - plain SGD (``momentum = 0``): ``a_i = [1, ..., 1]``, ``||a_i||_1 = tau_i``
   (Section 4.1, "Vanilla SGD as Local Solver");
@@ -57,9 +58,9 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.base import LocalSolver
 from fedaccel.clients.state import ClientState
-from fedaccel.contract import MessageContract, TrainConfig
+from fedaccel.contract import MessageContract
 
 A_NORM_RECORD = "fednova.a-norm"  # the reply's extra record: ||a_i||_1
 A_NORM_KEY = "a-norm"  # its one array, shape (1,), float64
@@ -85,29 +86,13 @@ def a_norm_record(value: float) -> ArrayRecord:
 
 
 class FedNovaSolver(LocalSolver):
-    """FedAvg's local SGD; counts the steps and uploads ``||a_i||_1``."""
+    """FedAvg's local SGD; uploads ``||a_i||_1`` from the round's step count
+    (``local-steps`` as the trainer reports it, :attr:`LocalSolver.local_steps`)."""
 
     messages = MessageContract(to_server=(A_NORM_RECORD,))
 
-    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
-        self.steps = 0
-
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        """Called once per optimizer step (before it): counts ``tau_i``; the
-        gradient is left as it is."""
-        self.steps += 1
-
-    def local_training(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator,
-                       lr: float, epochs: int) -> dict[str, float | int]:
-        """The shared loop; its ``local-steps`` must equal the steps counted here."""
-        metrics = super().local_training(model, data, generator, lr, epochs)
-        if int(metrics["local-steps"]) != self.steps:
-            raise RuntimeError(f"FedNova: the local loop reports {metrics['local-steps']} steps but "
-                               f"transform_gradients ran {self.steps} times; ||a||_1 would be wrong")
-        return metrics
-
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
-        if self.steps == 0:
+        if self.local_steps == 0:
             raise RuntimeError("FedNova: this client took no local step this round (empty training "
                                "split?), so ||a||_1 = 0 and its update cannot be normalized")
-        return {A_NORM_RECORD: a_norm_record(normalizing_factor(self.steps, float(self.cfg.momentum)))}
+        return {A_NORM_RECORD: a_norm_record(normalizing_factor(self.local_steps, float(self.cfg.momentum)))}

@@ -78,21 +78,28 @@ VECTOR_RULES = ("keep", "mean")
 WEIGHT_DECAY_RULES = ("centralized", "raw")
 
 
-def centralize(tensor: torch.Tensor, vectors: str = "keep") -> torch.Tensor:
+def centralize(tensor: torch.Tensor, vectors: str = "keep", leading: int = 0) -> torch.Tensor:
     """``tensor`` minus its mean over every dim but dim 0 (a new tensor).
 
     Tensors with ``dim() > 1`` get zero mean per output row. 0-D and 1-D
     tensors are returned unchanged (a copy) with ``vectors='keep'``; with
     ``vectors='mean'`` a 1-D tensor has its scalar mean removed (the GC-Fed
     authors' code).
+
+    ``leading`` dims in front are batch dims (the cohort trainer stacks the
+    clients of a round along one): each slice along them is centralized on
+    its own, exactly as above.
     """
     if vectors not in VECTOR_RULES:
         raise ValueError(f"vectors must be one of {VECTOR_RULES}, got {vectors!r}")
-    if tensor.dim() > 1:
-        dims = tuple(range(1, tensor.dim()))
+    own = tensor.dim() - leading  # the dims of one parameter
+    if own > 1:
+        dims = tuple(range(leading + 1, tensor.dim()))
         return tensor - tensor.mean(dim=dims, keepdim=True)
-    if tensor.dim() == 1 and vectors == "mean":
-        return tensor - tensor.mean()
+    if own == 1 and vectors == "mean":
+        if leading == 0:
+            return tensor - tensor.mean()
+        return tensor - tensor.mean(dim=leading, keepdim=True)
     return tensor.clone()
 
 
@@ -168,10 +175,11 @@ def gc_partition(
 # transforms
 # --------------------------------------------------------------------------- #
 def local_gc_transform(
-    model: torch.nn.Module, names: Iterable[str], vectors: str = "keep",
-    weight_decay: Mapping[str, float] | None = None,
+    named_parameters: Iterable[tuple[str, torch.Tensor]], names: Iterable[str], vectors: str = "keep",
+    weight_decay: Mapping[str, float] | None = None, leading: int = 0,
 ) -> Callable[[torch.nn.Module], None]:
-    """Client gradient transform: centralize ``p.grad`` in place for ``names``.
+    """Client gradient transform: centralize ``p.grad`` in place for the
+    parameters of ``named_parameters`` named in ``names``.
 
     Runs after backward (and after the algorithm's own ``transform_gradients``,
     e.g. FedProx's ``mu (w - w^t)``, which is centralized with the loss
@@ -187,6 +195,9 @@ def local_gc_transform(
     (``gc.weight-decay='centralized'``; module docstring). Momentum, applied by
     the optimizer after both, accumulates the centralized step either way.
 
+    ``leading``: batch dims in front of each parameter (1 for the cohort
+    trainer's stacked clients, :func:`centralize`).
+
     The correction assumes ``p.grad`` reaches ``step()`` unscaled. A gradient
     clip run between this transform and the step (``clip-norm > 0``) scales
     it by the clip factor ``c`` too, so the step is then
@@ -195,16 +206,16 @@ def local_gc_transform(
     """
     wanted = set(names)
     decay = dict(weight_decay or {})
-    params = [(p, float(decay.get(n, 0.0))) for n, p in model.named_parameters() if n in wanted]
+    params = [(p, float(decay.get(n, 0.0))) for n, p in named_parameters if n in wanted]
 
-    def transform(_: torch.nn.Module) -> None:
+    def transform(_: torch.nn.Module | None = None) -> None:
         with torch.no_grad():
             for p, wd in params:
                 if p.grad is None:
                     continue  # the optimizer skips p (no decay either)
-                g = centralize(p.grad, vectors)
+                g = centralize(p.grad, vectors, leading)
                 if wd:
-                    g.sub_(p - centralize(p, vectors), alpha=wd)  # p - P p: what P removes from p
+                    g.sub_(p - centralize(p, vectors, leading), alpha=wd)  # p - P p: what P removes from p
                 p.grad.copy_(g)
 
     return transform

@@ -73,6 +73,7 @@ class ScaffoldSolver(LocalSolver):
 
     state_copies = 1
     messages = MessageContract(to_client=(C_RECORD,), to_server=(DC_RECORD,))
+    accumulators = ("grad_sum",)  # mean-gradient's running sum, per step
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
         self.lr = config.lr
@@ -82,29 +83,33 @@ class ScaffoldSolver(LocalSolver):
         self.c = received_control_variate(self.received, model)
         self.c_i = groups_or_zeros(state, "scaffold", ("c",), self.x)["c"]
         self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in self.x.items())
-        self.steps = 0
-        self._items = [(p, self.c[k] - self.c_i[k], self.grad_sum[k]) for k, p in params.items()]
+        self.correction = [self.c[k] - self.c_i[k] for k in params]
 
-    def transform_gradients(self, model: torch.nn.Module) -> None:
-        self.steps += 1
-        for p, correction, grad_sum in self._items:
-            grad_sum.add_(p.grad)
-            if self.wd:
-                grad_sum.add_(p.detach(), alpha=self.wd)
-            p.grad.add_(correction)
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"correction": self.correction, "grad_sum": list(self.grad_sum.values())}
+
+    def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``g + c - c_i`` (:func:`corrected_gradient`); adds the uncorrected
+        ``g + wd w`` to the running ``grad_sum`` of ``mean-gradient``."""
+        grad_sum = tensors["grad_sum"]
+        grad_sum.add_(g)
+        if self.wd:
+            grad_sum.add_(w, alpha=self.wd)
+        return g + tensors["correction"]
 
     def new_control_variate(self, model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
-        if self.steps == 0:
+        steps = self.local_steps
+        if steps == 0:
             return OrderedDict((k, v.clone()) for k, v in self.c_i.items())
         if self.params.cv_update == "option-ii":
             return OrderedDict(
-                (k, option_ii_control_variate(self.c_i[k], self.c[k], self.x[k], p.detach(), self.steps, self.lr))
+                (k, option_ii_control_variate(self.c_i[k], self.c[k], self.x[k], p.detach(), steps, self.lr))
                 for k, p in model.named_parameters())
-        return OrderedDict((k, s / self.steps) for k, s in self.grad_sum.items())
+        return OrderedDict((k, s / steps) for k, s in self.grad_sum.items())
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         new = self.new_control_variate(model)
         dc = ArrayRecord(OrderedDict((k, Array((new[k] - self.c_i[k]).cpu().numpy())) for k in new))
         state.put("scaffold", flat_groups({"c": new}))
-        self._items = []
+        self.correction, self.grad_sum = [], OrderedDict()
         return {DC_RECORD: dc}
