@@ -19,10 +19,14 @@ def _overhead():
     return module
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "fedcdr", "fedpm"])
-def test_bare_loop_and_fast_runner_reach_the_same_model(tmp_path, algo):
+@pytest.mark.parametrize("algo, mode", [("fedavg", "fast"), ("fedcdr", "cohort"),
+                                        pytest.param("fedcdr", "fast", marks=pytest.mark.slow),
+                                        pytest.param("fedpm", "fast", marks=pytest.mark.slow)])
+def test_bare_loop_and_fast_runner_reach_the_same_model(tmp_path, algo, mode):
     overhead = _overhead()
-    ov = overhead.overrides("mlp-synthetic", algo, rounds=3, clients=20, run_dir=tmp_path, name=algo)
+    ov = overhead.overrides("mlp-synthetic", algo, rounds=3, clients=20, run_dir=tmp_path, name=algo,
+                            mode=mode)
+    assert ov["cohort-batching"] == ("on" if mode == "cohort" else "off")
     bare = overhead.bare_run(ov, 20)
     fast = overhead.fast_run(ov, 20)
     assert len(bare["round_seconds"]) == len(fast["round_seconds"]) == 3

@@ -23,7 +23,7 @@ from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.models import build_model
 from fedaccel.registry import get_algorithm
-from fedaccel.torch_utils import seeded_generator
+from fedaccel.torch_utils import seeded_generator, state_to_arrays
 
 ATOL, RTOL = 2e-6, 1e-5  # float32: the batched kernels sum in another order
 SIZES = [37, 5, 16, 90, 17, 1, 33]  # ragged: 1..6 steps per epoch at batch 16, one client of 1 sample
@@ -97,11 +97,10 @@ def per_client_round(cfg, model, datas, states, server_round):
 
 def cohort_round(cfg, model, datas, states, server_round):
     scratch = copy.deepcopy(model)
-    start = copy.deepcopy(model.state_dict())
-    jobs = [CohortJob(solver=new_solver(cfg, model), data=data,
+    start = state_to_arrays(model)
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start,
                       config=config_for(cfg.algo, server_round), state=states[c],
                       generator=seeded_generator(cfg.seed, server_round, c, "train"),
-                      load_global=lambda m: m.load_state_dict(start),
                       received=received_for(cfg.algo, model))
             for c, data in enumerate(datas)]
     results = fit_cohort(scratch, jobs, cfg.batch_size)

@@ -26,7 +26,7 @@ from logging import DEBUG, INFO
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
@@ -35,7 +35,7 @@ from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.cohort import CohortJob, fallback_reason, fit_cohort
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
-from fedaccel.arrays import load_into
+from fedaccel.arrays import load_into, records_of
 from fedaccel.contract import ContractError
 from fedaccel.config import RunConfig, config_error
 from fedaccel.registry import get_algorithm
@@ -186,7 +186,7 @@ def prepare_clients(contexts: list[Context]) -> None:
 
 
 def _message_config(msg: Message) -> dict[str, Any]:
-    return dict(msg.content.config_records.get("config", ConfigRecord()))
+    return dict(records_of(msg.content, ConfigRecord).get("config", ConfigRecord()))
 
 
 def _load_global(rt: ClientRuntime, msg: Message) -> dict[str, Any]:
@@ -252,7 +252,7 @@ def _train(msg: Message, context: Context) -> Message:
 
 def _received(msg: Message) -> dict:
     """The message's ArrayRecords other than the model (e.g. SCAFFOLD's ``c``)."""
-    return {k: v for k, v in msg.content.array_records.items() if k != "arrays"}
+    return {k: v for k, v in records_of(msg.content, ArrayRecord).items() if k != "arrays"}
 
 
 def _train_reply(msg: Message, result: LocalResult) -> Message:
@@ -294,9 +294,8 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
         config = _message_config(msg)
         state, generator = _round_inputs(rt, context, config)
         jobs.append(CohortJob(
-            solver=solver, data=rt.train, config=config, state=state, generator=generator,
-            load_global=lambda model, msg=msg: load_into(model, msg.content["arrays"]),
-            received=_received(msg)))
+            solver=solver, data=rt.train, arrays=msg.content["arrays"], config=config, state=state,
+            generator=generator, received=_received(msg)))
         where.append(i)
     if jobs:
         results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS)

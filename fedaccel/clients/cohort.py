@@ -53,6 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
+from flwr.app import ArrayRecord
+
+from fedaccel.arrays import load_into
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
@@ -114,25 +117,31 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
     per-client loop draws them: one ``randperm`` per epoch from the client's
     generator."""
     steps = [epochs * math.ceil(m.data.num_examples / batch_size) for m in members]
-    total = max(steps)
-    index = torch.zeros((total, len(members), batch_size), dtype=torch.long)
-    mask = torch.zeros((total, len(members), batch_size))
-    offset = 0
-    for c, m in enumerate(members):
+    plans, offset, offsets = [], 0, []
+    for m in members:
         n = m.data.num_examples
         per_epoch = math.ceil(n / batch_size)
-        rows = []
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=m.generator)
-            padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
-            padded[:n] = order
-            rows.append(padded.view(per_epoch, batch_size))
-        plan = torch.cat(rows)
-        real = plan >= 0
-        index[:steps[c], c] = torch.where(real, plan, 0) + offset
-        mask[:steps[c], c] = real.float()
+        padded = torch.full((epochs, per_epoch * batch_size), -1, dtype=torch.long)
+        for e in range(epochs):
+            padded[e, :n] = torch.randperm(n, generator=m.generator)
+        plans.append(padded.view(epochs * per_epoch, batch_size))
+        offsets.append(offset)
         offset += n
-    return index.to(device), mask.to(device), steps
+    plan = torch.nn.utils.rnn.pad_sequence(plans, padding_value=-1)  # [T, C, B]
+    real = plan >= 0
+    index = torch.where(real, plan + torch.tensor(offsets).view(1, -1, 1), 0)
+    return index.to(device), real.float().to(device), steps
+
+
+class _Stacked:
+    """The active clients' stacked weights, for ``make_optimizer(model, lr)``
+    (which only asks for ``parameters()``)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
 
 
 def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float, epochs: int,
@@ -167,13 +176,14 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     own = [m.solver.step_tensors() for m in cohort]
     stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(names))] for k in own[0]}
     tensors = stacked  # the active clients' rows (views: accumulators write through)
-    holder = torch.nn.ParameterList([torch.nn.Parameter(torch.stack([m.start[i] for m in cohort]))
-                                     for i in range(len(names))])
-    optimizer = template.make_optimizer(holder, lr)
+    # every client's weights, stacked; the active clients' are the first rows,
+    # trained in place through views (a client that leaves keeps its rows)
+    weights = [torch.stack([m.start[i] for m in cohort]) for i in range(len(names))]
+    holder = [torch.nn.Parameter(w) for w in weights]
+    optimizer = template.make_optimizer(_Stacked(holder), lr)
     cfg = template.cfg
-    composed = client_gradient_transforms(cfg, model, optimizer, list(holder), leading=1)
+    composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
     clip_norm = float(getattr(cfg, "clip_norm", 0.0))
-    trained: list[list[torch.Tensor] | None] = [None] * len(cohort)
     loss_sum = torch.zeros(len(cohort), device=device)
     seen = torch.zeros(len(cohort), device=device)
     active = len(cohort)
@@ -183,12 +193,12 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
             still -= 1
         if still < active:
-            holder, optimizer = _retire(holder, optimizer, template, lr, still, active, trained)
-            composed = client_gradient_transforms(cfg, model, optimizer, list(holder), leading=1)
+            holder, optimizer = _retire(holder, optimizer, template, lr, still)
+            composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
         idx, real = index[t, :active], mask[t, :active]
-        grads, losses = grads_of(list(holder), x_all[idx], y_all[idx], real)
+        grads, losses = grads_of(holder, x_all[idx], y_all[idx], real)
         for i, p in enumerate(holder):
             g = grads[i]
             if not plain_rule:
@@ -197,12 +207,12 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         for transform in composed:  # local GC, as in the per-client loop
             transform()
         if clip_norm > 0:
-            clip_grad_norm_per_client(list(holder), clip_norm)
+            clip_grad_norm_per_client(holder, clip_norm)
         optimizer.step()
         counts = real.sum(dim=1)
         loss_sum[:active] += losses * counts
         seen[:active] += counts
-    _retire(holder, optimizer, template, lr, 0, active, trained)
+    trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
     for key in template.accumulators:  # the rule's running sums, back to each client
         for c, o in enumerate(own):
             for i, v in enumerate(stacked[key]):
@@ -229,37 +239,34 @@ def clip_grad_norm_per_client(params: list[torch.Tensor], max_norm: float) -> No
         g.mul_(coef.view((-1,) + (1,) * (g.dim() - 1)))
 
 
-def _retire(holder: torch.nn.ParameterList, optimizer: torch.optim.Optimizer, template: LocalSolver,
-            lr: float, keep: int, active: int, trained: list) -> tuple[torch.nn.ParameterList, torch.optim.Optimizer]:
-    """Clients ``keep..active-1`` have taken all their steps: record their
-    weights, and continue with the first ``keep`` (their weights and
-    momentum buffers sliced into a new optimizer of the same kind)."""
-    for c in range(keep, active):
-        trained[c] = [p.detach()[c].clone() for p in holder]
-    if keep == 0:
-        return holder, optimizer
-    new = torch.nn.ParameterList([torch.nn.Parameter(p.detach()[:keep].clone(), requires_grad=True)
-                                  for p in holder])
-    new_optimizer = template.make_optimizer(new, lr)
+def _retire(holder: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, template: LocalSolver,
+            lr: float, keep: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The clients after the first ``keep`` have taken all their steps: go on
+    with the first ``keep`` only, in a new optimizer of the same kind whose
+    parameters and momentum buffers are views of the first ``keep`` rows of
+    the old ones (no copy: the steps still write into the stacked weights,
+    and the clients that left keep their rows as they are)."""
+    new = [torch.nn.Parameter(p.detach()[:keep]) for p in holder]
+    new_optimizer = template.make_optimizer(_Stacked(new), lr)
     for old_p, new_p in zip(holder, new):
         buf = optimizer.state.get(old_p, {}).get("momentum_buffer")
         if buf is not None:
-            new_optimizer.state[new_p]["momentum_buffer"] = buf[:keep].clone()
+            new_optimizer.state[new_p]["momentum_buffer"] = buf[:keep]
     return new, new_optimizer
 
 
 @dataclass
 class CohortJob:
     """One client's training message, as the per-client path would receive it:
-    its own solver instance, data, the received config, state, generator and
-    extra records, and how to load the received global weights into a model."""
+    its own solver instance, data, the received global model (``arrays``),
+    config, state, generator and extra records."""
 
     solver: LocalSolver
     data: TrainData
+    arrays: ArrayRecord
     config: dict[str, Any]
     state: ClientState
     generator: torch.Generator
-    load_global: Callable[[torch.nn.Module], None]
     received: dict[str, Any] = field(default_factory=dict)
 
 
@@ -276,9 +283,18 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     place (that client's error reply); the others go on."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
     groups: dict[tuple[float, int], list[tuple[int, CohortMember]]] = {}
+    targets = list(model.state_dict().values())
+    loaded: dict[int, tuple[ArrayRecord, list[torch.Tensor]]] = {}  # id(arrays) -> its tensors
     for j, job in enumerate(jobs):
         try:
-            job.load_global(model)
+            # a round's messages usually share one model record: read it once
+            if id(job.arrays) in loaded:
+                with torch.no_grad():
+                    for target, value in zip(targets, loaded[id(job.arrays)][1]):
+                        target.copy_(value)
+            else:
+                load_into(model, job.arrays)
+                loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
             train = job.solver.open_round(model, job.config, job.state, job.received)
         except errors as err:
             out[j] = err

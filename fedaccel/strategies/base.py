@@ -58,7 +58,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedaccel.clients.composition import server_update_transforms
-from fedaccel.arrays import from_numpy, to_numpy
+from fedaccel.arrays import from_numpy, records_of, to_numpy
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
@@ -227,8 +227,8 @@ class FedAccelStrategy:
         """A training message matches :attr:`messages` (a mismatch is a bug in
         the strategy: :class:`fedaccel.contract.ContractError`)."""
         content = message.content
-        self.messages.check_records(self.run_cfg.algo, "to_client", content.array_records.keys())
-        self.messages.check_config_keys(self.run_cfg.algo, content.config_records[CONFIG_RECORD].keys(),
+        self.messages.check_records(self.run_cfg.algo, "to_client", records_of(content, ArrayRecord).keys())
+        self.messages.check_config_keys(self.run_cfg.algo, content[CONFIG_RECORD].keys(),
                                         self.stateful)
 
     def aggregate_train(
@@ -271,7 +271,7 @@ class FedAccelStrategy:
                 len(log_.sampled), len(ok))
         pid_of = self.federation.partition_of_node
         for m in ok:
-            metrics_in = next(iter(m.content.metric_records.values()))
+            metrics_in = next(iter(records_of(m.content, MetricRecord).values()))
             if "state-lost" in metrics_in:
                 log_.state_lost += 1
                 log(WARNING, "round %s: client %s had lost its %s state (SuperNode restart with "
@@ -331,12 +331,13 @@ class FedAccelStrategy:
         with a logged reason instead of corrupting the global model.
         """
         content = reply.content
-        if MODEL_RECORD not in content.array_records:
+        array_records = records_of(content, ArrayRecord)
+        if MODEL_RECORD not in array_records:
             return f"no {MODEL_RECORD!r} record"
-        extra = self.messages.records_problem(self.run_cfg.algo, "to_server", content.array_records.keys())
+        extra = self.messages.records_problem(self.run_cfg.algo, "to_server", array_records.keys())
         if extra is not None:
             return extra
-        arrays = content.array_records[MODEL_RECORD]
+        arrays = array_records[MODEL_RECORD]
         sent = self.global_arrays
         if sent is not None:
             if list(arrays.keys()) != list(sent.keys()):
@@ -344,12 +345,12 @@ class FedAccelStrategy:
             for key, array in arrays.items():
                 if tuple(array.shape) != tuple(sent[key].shape):
                     return f"array {key!r} has shape {tuple(array.shape)}, expected {tuple(sent[key].shape)}"
-        metrics = next(iter(content.metric_records.values()), None)
+        metrics = next(iter(records_of(content, MetricRecord).values()), None)
         if metrics is None or "num-examples" not in metrics:
             return "no metrics record with 'num-examples'"
         if not float(metrics["num-examples"]) > 0:
             return f"num-examples={metrics['num-examples']}"
-        for name, record in content.array_records.items():
+        for name, record in array_records.items():
             for key, array in record.items():
                 values = to_numpy(array)
                 if values.dtype.kind in "fc" and not np.isfinite(values).all():
@@ -385,7 +386,7 @@ class FedAccelStrategy:
 
 def _message_bytes(message: Message) -> int:
     content: RecordDict = message.content
-    return sum(payload_bytes(rec) for rec in content.array_records.values())
+    return sum(payload_bytes(rec) for rec in records_of(content, ArrayRecord).values())
 
 
 def _with_config(message: Message, updates: dict[str, Any]) -> Message:

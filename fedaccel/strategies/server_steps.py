@@ -38,7 +38,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel import arrays as arrays_codec
-from fedaccel.arrays import mean_of_records, record_to_numpy
+from fedaccel.arrays import mean_of_records, record_to_numpy, records_of
 
 T = TypeVar("T")
 
@@ -61,8 +61,9 @@ def numpy_to_record(arrays: Mapping[str, np.ndarray], like: ArrayRecord | None =
 def weighted_mean_of_replies(contents: list[RecordDict], weighted_by_key: str) -> ArrayRecord:
     """Flower's ``aggregate_arrayrecords`` (example-weighted, bit-identical),
     through :func:`fedaccel.arrays.mean_of_records` on zero-copy views."""
-    weights = [float(next(iter(c.metric_records.values()))[weighted_by_key]) for c in contents]
-    arrays = [{k: a for record in c.array_records.values() for k, a in record.items()} for c in contents]
+    weights = [float(next(iter(records_of(c, MetricRecord).values()))[weighted_by_key]) for c in contents]
+    arrays = [{k: a for record in records_of(c, ArrayRecord).values() for k, a in record.items()}
+              for c in contents]
     return numpy_to_record(mean_of_records(arrays, weights))
 
 
@@ -76,7 +77,7 @@ def mean_of_replies(replies: list[Message], weighting: str, weighted_by_key: str
     contents = [m.content for m in replies]
     if weighting == "examples":
         return weighted_mean_of_replies(contents, weighted_by_key)
-    return numpy_to_record(mean_of_records([next(iter(c.array_records.values())) for c in contents]))
+    return numpy_to_record(mean_of_records([next(iter(records_of(c, ArrayRecord).values())) for c in contents]))
 
 
 def plain_mean(replies: list[Message], record: str = "arrays") -> dict[str, np.ndarray]:
