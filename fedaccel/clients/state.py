@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedaccel.arrays import from_tensor, to_numpy
+from fedaccel.arrays import arrays_to_record, from_tensor, records_of, to_numpy
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -232,8 +232,8 @@ class ContextState(VersionedState):
             groups.setdefault(dtype, []).append(v.detach().reshape(-1))
             layout.append([k, dtype, list(v.shape)])
         key = f"fedaccel.v{version}.{name}"
-        self.record[key] = ArrayRecord(OrderedDict(
-            (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items()))
+        self.record[key] = arrays_to_record(
+            (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items())
         self.record[f"{key}.layout"] = ConfigRecord({"layout": json.dumps(layout)})
 
     def _drop(self, version: int) -> None:
@@ -242,12 +242,12 @@ class ContextState(VersionedState):
             del self.record[key]
 
     def _versions(self) -> set[int]:
-        return {int(k.split(".")[1][1:]) for k in self.record.array_records if k.startswith("fedaccel.v")}
+        return {int(k.split(".")[1][1:]) for k in records_of(self.record, ArrayRecord) if k.startswith("fedaccel.v")}
 
     def _tags(self) -> tuple[int, int]:
         if self.TAGS not in self.record:
             return 0, 0
-        tags = self.record.config_records[self.TAGS]
+        tags = records_of(self.record, ConfigRecord)[self.TAGS]
         return int(tags["committed"]), int(tags["latest"])
 
     def _save_tags(self, committed: int, latest: int) -> None:
