@@ -125,6 +125,7 @@ class RunConfig:
     train_samples: int = 0
     clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
     cohort_batching: str = "off"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
+    cohort_chunk: int = 0  # clients per batched chunk; 0: sized to the memory available
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -228,6 +228,7 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         train_samples=train_samples,
         clip_norm=clip_norm,
         cohort_batching=_string(cfg, "cohort-batching", COHORT_BATCHING),
+        cohort_chunk=_integer(cfg, "cohort-chunk", 0),
         algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
@@ -240,5 +241,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
-    "clip-norm", "cohort-batching",
+    "clip-norm", "cohort-batching", "cohort-chunk",
 )

@@ -228,3 +228,51 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     assert "clients train one after another (fedpm's local solver overrides" in capsys.readouterr().err
     run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "auto"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err
+
+
+def test_chunks_train_the_same_clients_to_the_same_weights() -> None:
+    """A cohort split into chunks of 2 ends where the whole cohort does:
+    each client's gradient is its own, whoever shares its batch."""
+    cfg = run_cfg("fedprox", **{"batch-size": 16, "momentum": 0.9})
+    model, datas = make_model(), clients()
+    start = state_to_arrays(model)
+
+    def round_with(max_clients):
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start,
+                          config=config_for("fedprox", 1), state=ContextState(RecordDict()),
+                          generator=seeded_generator(cfg.seed, 1, c, "train"))
+                for c, data in enumerate(datas)]
+        return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()]
+                for r in fit_cohort(copy.deepcopy(model), jobs, 16, max_clients=max_clients)]
+    for whole, chunked in zip(round_with(None), round_with(2)):
+        for p, q in zip(whole, chunked):
+            torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_memory_per_client_counts_activations_and_model_copies() -> None:
+    from fedaccel.clients.cohort import MODEL_COPIES, bytes_per_client, chunk_size
+
+    mlp = make_model()
+    params = sum(p.numel() for p in mlp.parameters()) * 4
+    small, large = (bytes_per_client(mlp, torch.zeros(6), b) for b in (1, 64))
+    assert small > MODEL_COPIES * params and large > small  # activations grow with the batch
+    cnn = make_model(name="cnn-small", shape=(1, 8, 8))
+    assert bytes_per_client(cnn, torch.zeros(1, 8, 8), 16) > large
+    per_client = bytes_per_client(mlp, torch.zeros(6), 16)
+    assert chunk_size(mlp, torch.zeros(6), 16, available=40 * per_client) == 10  # a quarter of it
+    assert chunk_size(mlp, torch.zeros(6), 16, available=1) == 1
+    assert chunk_size(mlp, torch.zeros(6), 16, available=None) >= 10**6
+
+
+@pytest.mark.slow  # two runs of a CNN: 5 s
+def test_auto_does_not_batch_a_cnn_on_a_cpu_but_on_does(tmp_path, capsys) -> None:
+    from fedaccel.clients.cohort import slower_reason
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    assert slower_reason(make_model()) is None  # the MLPs batch their own forward
+    base = {"algo": "fedavg", "dataset": "digits", "model": "cnn-small", "num-server-rounds": 1,
+            "clients-per-round": 2, "results-dir": str(tmp_path)}
+    run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
+    assert "one after another (on a CPU this model's batched convolutions" in capsys.readouterr().err
+    run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
+    assert "each round's clients train as one batched model" in capsys.readouterr().err

@@ -32,7 +32,8 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
-from fedaccel.clients.cohort import CohortJob, fallback_reason, fit_cohort
+from fedaccel.clients.cohort import CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason
+from fedaccel.memory import available_bytes
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into, records_of
@@ -268,7 +269,17 @@ def cohort_fallback(context: Context) -> str | None:
     rt = client_runtime(context)
     if rt.cfg.cohort_batching == "off":
         return "cohort-batching='off'"
-    return fallback_reason(rt.solver, rt.cfg, rt.model, rt.train.augment)
+    return fallback_reason(rt.solver, rt.cfg, rt.model, rt.train.augment) or (
+        slower_reason(rt.model) if rt.cfg.cohort_batching == "auto" else None)
+
+
+def cohort_chunk(rt: ClientRuntime) -> int:
+    """The most clients of a round that train as one batch: ``cohort-chunk``,
+    or (0) as many as fit in a quarter of the memory available now."""
+    if rt.cfg.cohort_chunk > 0:
+        return rt.cfg.cohort_chunk
+    return chunk_size(rt.model, rt.train.x.new_zeros(rt.train.x.shape[1:]), rt.cfg.batch_size,
+                      available_bytes())
 
 
 def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
@@ -298,7 +309,8 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
             generator=generator, received=_received(msg)))
         where.append(i)
     if jobs:
-        results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS)
+        results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS,
+                             max_clients=cohort_chunk(shared))
         for i, result in zip(where, results):
             msg, context = items[i]
             replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)
