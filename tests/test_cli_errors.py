@@ -44,6 +44,8 @@ def one_error_line(err: str) -> str:
     (["clients-per-round=2.0"], 2, "a float is a fraction of the clients and must be in (0, 1]; for a "
                                    "count of clients write a whole number without a decimal point (e.g. 2)"),
     (["clients-per-round=0"], 2, "an integer is a count of clients and must be >= 1"),
+    (["cohort-batching='sometimes'"], 2, "cohort-batching='sometimes': allowed: auto, on, off"),
+    (["cohort-chunk=-1"], 2, "cohort-chunk=-1: must be an integer >= 0"),
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
