@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
+import pytest
 import tomllib
 from pathlib import Path
 
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ("apps", "clients", "strategies", "models", "data", "bench", "tests", "scripts", "configs", "docs")
 
 
+@pytest.mark.slow  # a fresh interpreter per name: 3.5 s
 def test_only_fedaccel_is_importable_from_outside_the_project(tmp_path: Path) -> None:
     """From another folder, the generic names resolve to a user's own packages
     (none here), and ``fedaccel`` to this checkout."""
