@@ -132,8 +132,18 @@ def _assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
         r.label = f"{base} ({r.name})" if bases.count(base) > 1 else base
 
 
+# What the seed draws, recorded in a run's resolved config: the partition
+# sizes and the test-set size (Synthetic's clients and a Dirichlet split
+# change with the seed). Not settings: runs differing in them still group.
+SEED_DRAWN = frozenset({"partition-sizes", "global-test-size"})
+
+
 def _group_key(config: dict) -> str:
-    return json.dumps({k: v for k, v in config.items() if k not in SEED_KEYS}, sort_keys=True, default=str)
+    settings = {k: v for k, v in config.items() if k not in SEED_KEYS}
+    if isinstance(settings.get("resolved"), dict):
+        settings["resolved"] = {k: v for k, v in settings["resolved"].items()
+                                if k not in SEED_KEYS | SEED_DRAWN}
+    return json.dumps(settings, sort_keys=True, default=str)
 
 
 def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Group]:
@@ -156,7 +166,7 @@ def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Gro
             g.label = base
             continue
         cfgs = [h.runs[0].config for h in same]
-        keys = sorted({k for c in cfgs for k in c} - SEED_KEYS)
+        keys = sorted({k for c in cfgs for k in c} - SEED_KEYS - {"resolved"})  # resolved repeats the keys
         differing = [k for k in keys if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in cfgs}) > 1]
         cfg = g.runs[0].config
         extra = ", ".join(f"{k}={cfg.get(k)}" for k in differing) or g.runs[0].name

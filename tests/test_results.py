@@ -319,3 +319,20 @@ def test_nan_accuracy_is_missing(tmp_path):
                    "bytes_up": 0, "bytes_down": 0, "seconds": 0.0})
     rec.close()
     assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text())["accg"] is None
+
+
+def test_group_seeds_ignores_what_the_seed_draws(tmp_path):
+    """Real runs record the partition sizes and test-set size their seed drew
+    (Synthetic, Dirichlet): runs that differ only there and in the seed group;
+    a setting in the resolved config (the model) still splits them."""
+    def resolved(seed, sizes, model="mlp"):
+        return {"algo": "fedavg", "seed": seed, "run-name": f"r{seed}{model}",
+                "resolved": {"seed": seed, "run_name": f"r{seed}", "model": model,
+                             "partition-sizes": sizes, "global-test-size": sum(sizes)}}
+    dirs = []
+    for seed, sizes, model in ((0, [3, 5], "mlp"), (1, [4, 6], "mlp"), (2, [4, 6], "logreg")):
+        d = tmp_path / f"r{seed}"
+        write_run(d, resolved(seed, sizes, model), [0.5, 0.6])
+        dirs.append(d)
+    groups = compare.group_by_seed(compare.load_runs(dirs))
+    assert [g.seeds for g in groups] == [[0, 1], [2]]

@@ -1,0 +1,446 @@
+"""``fedaccel-sweep``: a study (a grid of runs over run-config keys and seeds) from one file.
+
+A study file is YAML::
+
+    name: fedprox-mu          # the study's folder under results-dir (default: the file's stem)
+    results-dir: results/sweeps
+    num-clients: 20           # fast-runner clients of every cell (default 20)
+    config: configs/x.yaml    # optional: a run-config file every cell starts from
+    base:                     # run-config keys every cell shares (nested tables allowed)
+      num-server-rounds: 30
+    variants:                 # alternatives, each its own keys (default: one empty variant)
+      - {algo: fedavg}
+      - {algo: fedprox, fedprox.mu: 0.01}
+    grid:                     # every combination of these values
+      lr: [0.01, 0.05]
+      local-epochs: {linear: [1, 3], count: 3}      # 1, 2, 3
+      weight-decay: {log: [1.0e-4, 1.0e-2], count: 3}  # 1e-4, 1e-3, 1e-2
+    seeds: [0, 1, 2]
+
+Its cells are every variant x every grid combination x every seed, in that
+order; each cell is a normal run of the fast runner (:func:`fedaccel.local_run.run_local`)
+with its own folder ``<results-dir>/<name>/cells/<cell>/``, whose name says
+the cell's keys. ``variants`` exist because a run refuses another
+algorithm's hyperparameters: ``fedprox.mu`` can only vary with
+``algo='fedprox'``.
+
+- **Every cell is checked before anything runs**, and all invalid cells are
+  reported in one message.
+- **Resumable**: a cell whose folder holds ``summary.json`` is finished and
+  is skipped when the same command runs again; an unfinished cell (killed
+  mid-run) starts again from round 1. ``<name>/plan.json`` records each
+  cell's keys; a study file changed under a finished cell is refused (use
+  another ``name``, or delete the cell's folder).
+- **In parallel**: ``--workers N`` processes (default: one per two cores;
+  each gets ``cores / N`` torch threads). ``--workers 1`` runs the cells in
+  this process.
+- **Report**: ``<name>/report/``: ``comparison.md`` and ``comparison.png``
+  from :func:`fedaccel.compare.compare_runs` (cells grouped over seeds,
+  mean ± std) and ``groups.csv``, one row per group.
+
+Written by hand: Flower has no sweep runner, and the general ones (Ray Tune,
+Hydra's multirun) know nothing of this project's cells, seeds and report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from itertools import product
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from fedaccel.config import ConfigError
+from flwr.common.config import flatten_dict
+
+from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
+
+PROG = "fedaccel-sweep"
+STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "seeds")
+RANGE_KINDS = ("linear", "log")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of a study: its folder name and the run-config keys it sets."""
+
+    name: str
+    overrides: dict[str, Any]
+
+    def group_key(self) -> str:
+        """The cell's keys without the seed (cells that differ only in seed)."""
+        return json.dumps({k: v for k, v in self.overrides.items() if k != "seed"}, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    folder: Path
+    num_clients: int
+    cells: list[Cell]
+
+
+def range_values(key: str, spec: dict[str, Any]) -> list[Any]:
+    """``{linear: [a, b], count: n}`` (n evenly spaced values, whole numbers
+    stay integers when a, b and the step are) or ``{log: [a, b], count: n}``
+    (n values evenly spaced in log scale, a and b > 0)."""
+    kinds = [k for k in RANGE_KINDS if k in spec]
+    if len(kinds) != 1 or set(spec) != {kinds[0], "count"}:
+        raise ConfigError(f"grid.{key}: a range is {{linear: [low, high], count: n}} or "
+                          f"{{log: [low, high], count: n}}, got {spec!r}")
+    kind, bounds, count = kinds[0], spec[kinds[0]], spec["count"]
+    if not (isinstance(bounds, list) and len(bounds) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)):
+        raise ConfigError(f"grid.{key}: {kind} needs [low, high] numbers, got {bounds!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"grid.{key}: count must be an integer >= 1, got {count!r}")
+    low, high = float(bounds[0]), float(bounds[1])
+    if count == 1:
+        points = [low]
+    elif kind == "linear":
+        points = [low + (high - low) * i / (count - 1) for i in range(count)]
+    else:
+        if low <= 0 or high <= 0:
+            raise ConfigError(f"grid.{key}: log needs low and high > 0, got {bounds!r}")
+        points = [math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (count - 1))
+                  for i in range(count)]
+    if kind == "linear" and all(isinstance(b, int) for b in bounds) and all(p.is_integer() for p in points):
+        return [int(p) for p in points]
+    return [float(f"{p:.6g}") for p in points]
+
+
+def grid_values(grid: Any) -> list[tuple[str, list[Any]]]:
+    if grid is None:
+        return []
+    if not isinstance(grid, dict):
+        raise ConfigError(f"grid: must map run-config keys to lists of values, got {type(grid).__name__}")
+    out = []
+    for key, values in flatten_grid(grid).items():
+        if isinstance(values, dict):
+            values = range_values(key, values)
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"grid.{key}: must be a non-empty list of values or a range, got {values!r}")
+        out.append((key, values))
+    return out
+
+
+def flatten_grid(grid: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested tables of the grid to dotted keys; a range (a mapping with
+    ``count``) is a value, not a table."""
+    out: dict[str, Any] = {}
+    for key, value in grid.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and "count" not in value:
+            out.update(flatten_grid(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def value_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def cell_name(overrides: dict[str, Any]) -> str:
+    """A folder name from the cell's keys, e.g. ``algo=fedprox,fedprox.mu=0.01,seed=1``."""
+    text = ",".join(f"{k}={value_text(v)}" for k, v in overrides.items())
+    text = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+    if len(text) > 120:  # long names: a readable head and a digest of the whole
+        import hashlib
+
+        text = text[:100] + "-" + hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+    return text
+
+
+def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], seeds: list[Any]) -> list[Cell]:
+    cells, seen = [], set()
+    for variant in variants:
+        for combo in product(*[values for _, values in grid]):
+            for seed in seeds:
+                overrides = {**variant, **dict(zip([k for k, _ in grid], combo)), "seed": seed}
+                name = cell_name(overrides)
+                if name in seen:
+                    raise ConfigError(f"two cells would run {name}: a variant and the grid set the same "
+                                      "key to the same value, or a value repeats")
+                seen.add(name)
+                cells.append(Cell(name, overrides))
+    return cells
+
+
+def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study, dict[str, Any]]:
+    """The study's cells and the run config they share (base file + ``base``),
+    checked (:class:`ConfigError` for a malformed file)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such study file") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a study file holds a mapping (name, base, variants, grid, seeds)")
+    unknown = sorted(set(raw) - set(STUDY_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown study key(s) {', '.join(unknown)}; allowed: {', '.join(STUDY_KEYS)} "
+                          "(run-config keys go under base, variants or grid)")
+    shared: dict[str, Any] = {}
+    if raw.get("config"):
+        shared.update(load_yaml_config(str(raw["config"])))
+    base = raw.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: base must map run-config keys to values")
+    shared.update(flatten_dict(base))
+    variants = raw.get("variants") or [{}]
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        raise ConfigError(f"{path}: variants must be a list of mappings of run-config keys")
+    seeds = raw.get("seeds", [shared.get("seed", 0)])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                          for s in seeds):
+        raise ConfigError(f"{path}: seeds must be a non-empty list of integers, got {seeds!r}")
+    num_clients = raw.get("num-clients", DEFAULT_NUM_CLIENTS)
+    if not isinstance(num_clients, int) or isinstance(num_clients, bool) or num_clients < 1:
+        raise ConfigError(f"{path}: num-clients must be an integer >= 1, got {num_clients!r}")
+    name = str(raw.get("name") or path.stem)
+    if "/" in name or name in (".", ".."):
+        raise ConfigError(f"{path}: name={name!r} must be a folder name")
+    cells = expand([flatten_dict(v) for v in variants], grid_values(raw.get("grid")), seeds)
+    root = Path(results_dir or raw.get("results-dir") or Path(shared.get("results-dir", "results")) / "sweeps")
+    return Study(name, root / name, num_clients, cells), shared
+
+
+def cell_run_config(study: Study, shared: dict[str, Any], cell: Cell) -> dict[str, Any]:
+    """The full run config of a cell: defaults, the study's shared keys, the
+    cell's keys, and its folder."""
+    return fuse(default_run_config(), {**shared, **cell.overrides,
+                                       "results-dir": str(study.folder / "cells"), "run-name": cell.name})
+
+
+def check_cells(study: Study, shared: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell's run config, validated; all invalid cells in one error."""
+    from fedaccel.errors import USER_ERRORS
+    from fedaccel.run_config import parse_run_config
+
+    configs, problems = [], []
+    for cell in study.cells:
+        try:
+            config = cell_run_config(study, shared, cell)
+            parse_run_config(config)
+            configs.append(config)
+        except USER_ERRORS as err:
+            problems.append(f"  {cell.name}: {err}")
+    if problems:
+        raise ConfigError(f"{len(problems)} of {len(study.cells)} cells are invalid, nothing was run:\n"
+                          + "\n".join(problems))
+    return configs
+
+
+def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
+    """Refuse to resume a study whose file changed under its finished cells,
+    then record this plan (``plan.json``: every cell's full run config)."""
+    plan_path = study.folder / "plan.json"
+    planned = {cell.name: config for cell, config in zip(study.cells, configs)}
+    if plan_path.is_file():
+        old = json.loads(plan_path.read_text(encoding="utf-8"))
+        changed = []
+        for name, config in planned.items():
+            before = old.get("cells", {}).get(name)
+            if before is None or not finished(study.folder / "cells" / name):
+                continue
+            keys = sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k))
+            if keys or old.get("num-clients") != study.num_clients:
+                what = ", ".join(f"{k}: {before.get(k)!r} -> {config.get(k)!r}" for k in keys[:3]) or (
+                    f"num-clients: {old.get('num-clients')} -> {study.num_clients}")
+                changed.append(f"  {name} ({what})")
+        if changed:
+            raise ConfigError(
+                f"{study.folder} holds finished cells that ran with other settings than the study file "
+                f"now says; give the study another name, or delete those cells' folders:\n" + "\n".join(changed))
+    study.folder.mkdir(parents=True, exist_ok=True)
+    tmp = plan_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"num-clients": study.num_clients, "cells": planned}, indent=1) + "\n",
+                   encoding="utf-8")
+    tmp.replace(plan_path)
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").is_file()
+
+
+def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> tuple[str, float, str | None]:
+    """One cell (in a worker process or in this one): (cell, seconds, error or None)."""
+    import torch
+
+    from fedaccel.errors import USER_ERRORS
+    from fedaccel.local_run import run_local
+
+    if threads:
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's own "results written to" line
+            run_local(config, num_clients=num_clients, quiet=True)
+    except USER_ERRORS as err:
+        return config["run-name"], time.perf_counter() - start, str(err)
+    return config["run-name"], time.perf_counter() - start, None
+
+
+def default_workers() -> int:
+    """One worker per two cores (a run already uses two threads well)."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def _eta(seconds: list[float], remaining: int, workers: int) -> str:
+    if not seconds or not remaining:
+        return ""
+    left = sum(seconds) / len(seconds) * remaining / max(workers, 1)
+    return f", about {left / 60:.0f} min left" if left >= 90 else f", about {left:.0f} s left"
+
+
+def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
+              out=sys.stderr) -> dict[str, Any]:
+    """Run every unfinished cell (``workers`` processes; 1: in this process),
+    then write the report. Returns counts and the failed cells' errors."""
+    configs = check_cells(study, shared)
+    check_plan(study, configs)
+    cells_dir = study.folder / "cells"
+    todo = []
+    for config in configs:
+        run_dir = cells_dir / config["run-name"]
+        if finished(run_dir):
+            continue
+        if run_dir.exists():  # killed mid-run: start it again
+            shutil.rmtree(run_dir)
+        todo.append(config)
+    done_before = len(configs) - len(todo)
+    workers = max(1, min(workers or default_workers(), len(todo) or 1))
+    threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+    print(f"[sweep] {study.name}: {len(configs)} cells, {done_before} already finished, "
+          f"{len(todo)} to run on {workers} worker{'s' if workers > 1 else ''} ({study.folder})",
+          file=out, flush=True)
+    failed: dict[str, str] = {}
+    seconds: list[float] = []
+
+    def record(name: str, took: float, error: str | None) -> None:
+        seconds.append(took)
+        if error:
+            failed[name] = error
+        finished_now = len(seconds)
+        print(f"[sweep] {done_before + finished_now}/{len(configs)} {name}: "
+              f"{'failed: ' + error if error else f'done in {took:.1f} s'}"
+              f"{_eta(seconds, len(todo) - finished_now, workers)}", file=out, flush=True)
+
+    if workers == 1:
+        for config in todo:
+            record(*_run_cell(config, study.num_clients, None))
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            pending: set[Future] = {pool.submit(_run_cell, c, study.num_clients, threads) for c in todo}
+            while pending:
+                complete, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in complete:
+                    record(*future.result())
+    report = write_report(study) if any(finished(cells_dir / c.name) for c in study.cells) else None
+    if report:
+        print(f"[sweep] report: {report / 'comparison.md'}, {report / 'groups.csv'}, "
+              f"{report / 'comparison.png'}", file=out, flush=True)
+    return {"cells": len(configs), "skipped": done_before, "ran": len(todo), "failed": failed}
+
+
+def write_report(study: Study) -> Path:
+    """``report/comparison.md`` + ``.png`` (cells grouped over seeds) and
+    ``report/groups.csv`` (one row per group), from the finished cells."""
+    from fedaccel.compare import compare_runs, group_by_seed, load_runs
+
+    out = study.folder / "report"
+    dirs = [study.folder / "cells" / c.name for c in study.cells if finished(study.folder / "cells" / c.name)]
+    compare_runs(dirs, out, group_seeds=True)
+    groups = group_by_seed(load_runs(dirs))
+    with open(out / "groups.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["group", "runs", "seeds", "final_accg_mean", "final_accg_std",
+                         "mean_last_20_accg_mean", "mean_last_20_accg_std", "best_accg_mean",
+                         "rounds_to_target_mean", "runs_reaching_target", "total_mb_mean"])
+        for group in groups:
+            summaries = [r.summary for r in group.runs]
+            reached = [s["rounds_to_target"] for s in summaries if s.get("rounds_to_target") is not None]
+            writer.writerow([group.label, len(group.runs), " ".join(map(str, group.seeds)),
+                             *_mean_std([s.get("final_accg") for s in summaries]),
+                             *_mean_std([s.get("mean_last_20_accg") for s in summaries]),
+                             _mean([s.get("best_accg") for s in summaries]),
+                             _mean(reached), len(reached),
+                             _mean([s.get("total_mb") for s in summaries])])
+    return out
+
+
+def _numbers(values: list[Any]) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _mean(values: list[Any]) -> str:
+    xs = _numbers(values)
+    return f"{sum(xs) / len(xs):.6g}" if xs else ""
+
+
+def _mean_std(values: list[Any]) -> tuple[str, str]:
+    import statistics
+
+    xs = _numbers(values)
+    if not xs:
+        return "", ""
+    return f"{statistics.fmean(xs):.6g}", (f"{statistics.stdev(xs):.6g}" if len(xs) > 1 else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Run a study (a grid of fast-runner runs over run-config keys and seeds) "
+        "from one YAML file; resumable: the same command skips finished cells.")
+    parser.add_argument("study", help="the study file (configs/ has examples; docs/sweeps.md)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="parallel runs (default: one per two cores; 1 = in this process)")
+    parser.add_argument("--results-dir", default=None, help="where the study's folder goes "
+                        "(default: the file's results-dir, else results/sweeps)")
+    parser.add_argument("--dry-run", action="store_true", help="check and list the cells, run nothing")
+    args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        parser.error("--workers must be >= 1")
+
+    from fedaccel.errors import USER_ERRORS, exit_code
+
+    try:
+        study, shared = load_study(args.study, args.results_dir)
+        if args.dry_run:
+            check_cells(study, shared)
+            for cell in study.cells:
+                state = "finished" if finished(study.folder / "cells" / cell.name) else "to run"
+                print(f"{cell.name}  ({state})")
+            print(f"[sweep] {len(study.cells)} cells, all valid ({study.folder})", file=sys.stderr)
+            return 0
+        outcome = run_study(study, shared, args.workers)
+    except USER_ERRORS as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return exit_code(err)
+    if outcome["failed"]:
+        print(f"{PROG}: {len(outcome['failed'])} of {outcome['cells']} cells failed (listed above); "
+              "the same command runs them again", file=sys.stderr)
+        return 4
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""fedaccel-sweep: a study file's cells, their checks, resuming, and the report."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from fedaccel.config import ConfigError
+from fedaccel.sweep import Cell, cell_name, expand, load_study, main, range_values, run_study
+
+TINY = {"num-server-rounds": 2, "clients-per-round": 2, "synthetic": {"max-samples": 60}}
+
+
+def write_study(tmp_path: Path, **parts) -> Path:
+    import yaml
+
+    study = {"name": "s", "results-dir": str(tmp_path / "out"), "num-clients": 4, "base": TINY, **parts}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path
+
+
+def test_cells_are_variants_times_grid_times_seeds_with_readable_names() -> None:
+    cells = expand([{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.1}],
+                   [("lr", [0.01, 0.1])], [0, 1])
+    assert len(cells) == 8
+    assert cells[0] == Cell("algo=fedavg,lr=0.01,seed=0", {"algo": "fedavg", "lr": 0.01, "seed": 0})
+    assert cells[-1].name == "algo=fedprox,fedprox.mu=0.1,lr=0.1,seed=1"
+    assert cells[0].group_key() == cells[1].group_key() != cells[2].group_key()  # seeds 0, 1 group
+    assert "/" not in cell_name({"results-dir": "a/b"})
+    assert len(cell_name({f"k{i}": "x" * 20 for i in range(20)})) <= 120
+
+
+def test_ranges_by_hand() -> None:
+    assert range_values("local-epochs", {"linear": [1, 3], "count": 3}) == [1, 2, 3]
+    assert range_values("lr", {"linear": [0.0, 1.0], "count": 5}) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert range_values("wd", {"log": [1e-4, 1e-2], "count": 3}) == [1e-4, 1e-3, 1e-2]
+    for bad in ({"log": [0, 1], "count": 2}, {"linear": [0, 1]}, {"log": [1, 2], "count": 0},
+                {"linear": [0, 1], "count": 2, "extra": 1}):
+        with pytest.raises(ConfigError, match="grid.x"):
+            range_values("x", bad)
+
+
+def test_every_invalid_cell_is_reported_at_once_and_nothing_runs(tmp_path) -> None:
+    path = write_study(tmp_path, variants=[{"algo": "fedavg"}, {"algo": "fedprx"}],
+                       grid={"lr": [0.1, -1.0]}, seeds=[0])
+    study, shared = load_study(path)
+    with pytest.raises(ConfigError) as err:
+        run_study(study, shared, workers=1)
+    text = str(err.value)
+    assert text.startswith("3 of 4 cells are invalid, nothing was run:")
+    assert "algo=fedprx,lr=0.1,seed=0: " in text and "algo=fedavg,lr=-1.0,seed=0: " in text
+    assert "did you mean 'fedprox'" in text
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # five runs and three reports: 15-30 s
+def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
+    path = write_study(tmp_path, variants=[{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.1}],
+                       seeds=[0, 1])
+    study, shared = load_study(path)
+    lines: list[str] = []
+
+    class Lines:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+        def flush(self) -> None:
+            pass
+    first = run_study(study, shared, workers=1, out=Lines())
+    assert first == {"cells": 4, "skipped": 0, "ran": 4, "failed": {}}
+    cells = tmp_path / "out" / "s" / "cells"
+    assert sorted(p.name for p in cells.iterdir()) == sorted(c.name for c in study.cells)
+    config = json.loads((cells / "algo=fedprox,fedprox.mu=0.1,seed=1" / "config.json").read_text())
+    assert config["fedprox.mu"] == 0.1 and config["seed"] == 1 and config["num-server-rounds"] == 2
+    rows = list(csv.DictReader(open(tmp_path / "out" / "s" / "report" / "groups.csv")))
+    assert [(r["runs"], r["seeds"]) for r in rows] == [("2", "0 1"), ("2", "0 1")]
+    assert all(0 <= float(r["final_accg_mean"]) <= 1 and r["final_accg_std"] != "" for r in rows)
+    assert "Grouped over seeds" in (tmp_path / "out" / "s" / "report" / "comparison.md").read_text()
+    assert any("4/4" in line for line in lines)
+    # the same command again: nothing to run
+    assert run_study(study, shared, workers=1, out=Lines())["ran"] == 0
+    # a cell killed mid-run (its folder but no summary) runs again from round 1
+    (cells / "algo=fedavg,seed=1" / "summary.json").unlink()
+    again = run_study(study, shared, workers=1, out=Lines())
+    assert (again["skipped"], again["ran"]) == (3, 1)
+    assert (cells / "algo=fedavg,seed=1" / "summary.json").is_file()
+
+
+def test_a_finished_cell_is_skipped_and_a_study_changed_under_it_is_refused(tmp_path) -> None:
+    path = write_study(tmp_path, seeds=[0], base={**TINY, "num-server-rounds": 1})
+    study, shared = load_study(path)
+    quiet = open("/dev/null", "w")
+    assert run_study(study, shared, workers=1, out=quiet)["ran"] == 1
+    assert run_study(study, shared, workers=1, out=quiet)["skipped"] == 1
+    changed = write_study(tmp_path, seeds=[0], base={**TINY, "num-server-rounds": 1, "lr": 0.5})
+    study, shared = load_study(changed)
+    with pytest.raises(ConfigError, match=r"(?s)other settings than the study file now says.*seed=0 \(lr: 0.05 -> 0.5\)"):
+        run_study(study, shared, workers=1)
+
+
+@pytest.mark.parametrize("text, wanted", [
+    ("name: x\nlr: 0.1\n", "unknown study key(s) lr"),
+    ("grid: {lr: 0.1}\n", "grid.lr: must be a non-empty list"),
+    ("seeds: [a]\n", "seeds must be a non-empty list of integers"),
+    ("grid: [1\n", "not valid YAML at line 2"),
+])
+def test_malformed_study_files_get_one_line(tmp_path, capsys, text, wanted) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: ") and wanted in err and "\n" not in err
+
+
+def test_dry_run_lists_the_cells(tmp_path, capsys) -> None:
+    path = write_study(tmp_path, grid={"lr": {"log": [0.01, 0.1], "count": 2}}, seeds=[0, 1])
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert out.out.split("\n")[:4] == ["lr=0.01,seed=0  (to run)", "lr=0.01,seed=1  (to run)",
+                                      "lr=0.1,seed=0  (to run)", "lr=0.1,seed=1  (to run)"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # two worker processes start and import torch: ~10 s
+def test_workers_run_cells_in_parallel_processes(tmp_path) -> None:
+    path = write_study(tmp_path, seeds=[0, 1, 2])
+    study, shared = load_study(path)
+    outcome = run_study(study, shared, workers=2, out=open("/dev/null", "w"))
+    assert outcome == {"cells": 3, "skipped": 0, "ran": 3, "failed": {}}
+    for seed in (0, 1, 2):
+        assert (tmp_path / "out" / "s" / "cells" / f"seed={seed}" / "summary.json").is_file()
+
+
+STUDIES = sorted((Path(__file__).resolve().parents[1] / "configs" / "studies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
+def test_shipped_study_files_are_valid(path, tmp_path) -> None:
+    from fedaccel.sweep import check_cells
+
+    study, shared = load_study(path, results_dir=str(tmp_path))
+    assert len(check_cells(study, shared)) == len(study.cells) > 1
+    assert f"fedaccel-sweep configs/studies/{path.name}" in path.read_text()
