@@ -145,3 +145,29 @@ def test_shipped_study_files_are_valid(path, tmp_path) -> None:
     study, shared = load_study(path, results_dir=str(tmp_path))
     assert len(check_cells(study, shared)) == len(study.cells) > 1
     assert f"fedaccel-sweep configs/studies/{path.name}" in path.read_text()
+
+
+@pytest.mark.slow  # a real fedaccel-sweep process, killed and started again: ~20 s
+def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = write_study(tmp_path, seeds=[0, 1, 2], base={**TINY, "num-server-rounds": 3})
+    cells = tmp_path / "out" / "s" / "cells"
+    command = [sys.executable, "-m", "fedaccel.sweep", str(path), "--workers", "1"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (cells / "seed=0" / "summary.json").is_file():  # the first cell has finished
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished_before = {p.name for p in cells.iterdir() if (p / "summary.json").is_file()}
+    assert "seed=0" in finished_before and len(finished_before) < 3
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"3 cells, {len(finished_before)} already finished" in again.stderr
+    assert all((cells / f"seed={s}" / "summary.json").is_file() for s in (0, 1, 2))
+    assert (tmp_path / "out" / "s" / "report" / "groups.csv").is_file()
