@@ -33,7 +33,8 @@ algorithm's hyperparameters: ``fedprox.mu`` can only vary with
   another ``name``, or delete the cell's folder).
 - **In parallel**: ``--workers N`` processes (default: one per two cores;
   each gets ``cores / N`` torch threads). ``--workers 1`` runs the cells in
-  this process.
+  this process. ``--ray-address`` runs them as Ray tasks on a cluster
+  (:func:`_run_on_ray`; a cell's files come back to this process).
 - **Report**: ``<name>/report/``: ``comparison.md`` and ``comparison.png``
   from :func:`fedaccel.compare.compare_runs` (cells grouped over seeds,
   mean ± std) and ``groups.csv``, one row per group.
@@ -300,6 +301,61 @@ def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> 
     return config["run-name"], time.perf_counter() - start, None
 
 
+def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | None
+                     ) -> tuple[str, float, str | None, dict[str, bytes]]:
+    """:func:`_run_cell` on a Ray worker, which may be another machine: the
+    run writes into a temporary folder there and its files come back to the
+    sweep, which writes them into the cell's folder (no shared filesystem
+    needed)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fedaccel-cell-") as tmp:
+        local = {**config, "results-dir": tmp}
+        name, took, error = _run_cell(local, num_clients, threads)
+        folder = Path(tmp) / config["run-name"]
+        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+    return name, took, error, files
+
+
+def _store_cell(cells_dir: Path, name: str, files: dict[str, bytes]) -> None:
+    """Write a remote cell's files; ``summary.json`` last, so that a sweep
+    killed while writing sees the cell as unfinished."""
+    folder = cells_dir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name in sorted(files, key=lambda n: n == "summary.json"):
+        tmp = folder / f".{file_name}.tmp"
+        tmp.write_bytes(files[file_name])
+        tmp.replace(folder / file_name)
+
+
+def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cells_dir: Path,
+                record: Any) -> None:
+    """The cells as Ray tasks (one CPU's worth of threads each unless the
+    cluster says more), on the cluster at ``address`` (``local``: a Ray
+    started here for the sweep)."""
+    import ray
+
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        threads = 2 if cpus >= 2 * len(todo) else 1
+        task = ray.remote(num_cpus=threads)(_run_cell_remote)
+        pending = {task.remote(config, num_clients, threads): config for config in todo}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                pending.pop(ref)
+                name, took, error, files = ray.get(ref)
+                if files:
+                    _store_cell(cells_dir, name, files)
+                record(name, took, error)
+    finally:
+        ray.shutdown()
+
+
 def default_workers() -> int:
     """One worker per two cores (a run already uses two threads well)."""
     return max(1, (os.cpu_count() or 1) // 2)
@@ -313,9 +369,10 @@ def _eta(seconds: list[float], remaining: int, workers: int) -> str:
 
 
 def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
-              out=sys.stderr) -> dict[str, Any]:
-    """Run every unfinished cell (``workers`` processes; 1: in this process),
-    then write the report. Returns counts and the failed cells' errors."""
+              out=sys.stderr, ray_address: str | None = None) -> dict[str, Any]:
+    """Run every unfinished cell (``workers`` processes; 1: in this process;
+    or as tasks on the Ray cluster at ``ray_address``), then write the
+    report. Returns counts and the failed cells' errors."""
     configs = check_cells(study, shared)
     check_plan(study, configs)
     cells_dir = study.folder / "cells"
@@ -330,9 +387,9 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
     done_before = len(configs) - len(todo)
     workers = max(1, min(workers or default_workers(), len(todo) or 1))
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+    where = (f"Ray at {ray_address}" if ray_address else f"{workers} worker{'s' if workers > 1 else ''}")
     print(f"[sweep] {study.name}: {len(configs)} cells, {done_before} already finished, "
-          f"{len(todo)} to run on {workers} worker{'s' if workers > 1 else ''} ({study.folder})",
-          file=out, flush=True)
+          f"{len(todo)} to run on {where} ({study.folder})", file=out, flush=True)
     failed: dict[str, str] = {}
     seconds: list[float] = []
 
@@ -345,7 +402,9 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
               f"{'failed: ' + error if error else f'done in {took:.1f} s'}"
               f"{_eta(seconds, len(todo) - finished_now, workers)}", file=out, flush=True)
 
-    if workers == 1:
+    if ray_address and todo:
+        _run_on_ray(ray_address, todo, study.num_clients, cells_dir, record)
+    elif workers == 1:
         for config in todo:
             record(*_run_cell(config, study.num_clients, None))
     else:
@@ -415,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="parallel runs (default: one per two cores; 1 = in this process)")
     parser.add_argument("--results-dir", default=None, help="where the study's folder goes "
                         "(default: the file's results-dir, else results/sweeps)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="run the cells as tasks on this Ray cluster ('auto': the one this machine "
+                        "belongs to, host:port, or 'local': a Ray started for the sweep)")
     parser.add_argument("--dry-run", action="store_true", help="check and list the cells, run nothing")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
@@ -431,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{cell.name}  ({state})")
             print(f"[sweep] {len(study.cells)} cells, all valid ({study.folder})", file=sys.stderr)
             return 0
-        outcome = run_study(study, shared, args.workers)
+        outcome = run_study(study, shared, args.workers, ray_address=args.ray_address)
     except USER_ERRORS as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return exit_code(err)

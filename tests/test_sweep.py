@@ -171,3 +171,27 @@ def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
     assert f"3 cells, {len(finished_before)} already finished" in again.stderr
     assert all((cells / f"seed={s}" / "summary.json").is_file() for s in (0, 1, 2))
     assert (tmp_path / "out" / "s" / "report" / "groups.csv").is_file()
+
+
+@pytest.mark.slow  # starts a local Ray: ~20 s
+def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
+    """``--ray-address local``: each cell runs in a Ray worker into a
+    temporary folder; its files come back and land in the cell's folder."""
+    path = write_study(tmp_path, seeds=[0, 1])
+    study, shared = load_study(path)
+    lines = []
+
+    class Lines:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+        def flush(self) -> None:
+            pass
+    outcome = run_study(study, shared, out=Lines(), ray_address="local")
+    assert outcome == {"cells": 2, "skipped": 0, "ran": 2, "failed": {}}
+    assert "on Ray at local" in lines[0]
+    for seed in (0, 1):
+        folder = tmp_path / "out" / "s" / "cells" / f"seed={seed}"
+        assert {"summary.json", "metrics.jsonl", "config.json", "final_model.npz"} <= {p.name for p in folder.iterdir()}
+        assert json.loads((folder / "config.json").read_text())["seed"] == seed
+    assert not list((tmp_path / "out" / "s" / "cells").glob("*/.*.tmp"))
