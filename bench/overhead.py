@@ -11,7 +11,7 @@ For each workload and algorithm, one invocation times, on this machine:
 (b) ``fast``: the project's in-process runner (``fedaccel-run``), clients one after
     another (``cohort-batching='off'``);
 (b') ``cohort``: the same runner with the round's clients trained as one batched model
-    (``cohort-batching='on'``; not for FedPM, whose FOOF steps are not batched);
+    (``cohort-batching='on'``);
 (c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
     started cold for every run, 1 CPU per client).
 
@@ -77,7 +77,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 ALGOS = ("fedavg", "fedcdr", "fedpm")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
 MODES = ("bare", "fast", "cohort", "ray")
-UNBATCHED = ("fedpm",)  # no cohort mode: FOOF steps train per client
+UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
 

@@ -46,6 +46,10 @@ BATCHABLE = [
     ("gcfed-vectors-mean", "gcfed", {"weight-decay": 1e-2, "gc.vectors": "mean", "gc.weight-decay": "raw"}),
     ("local-gc-and-clip", "scaffold", {"momentum": 0.9, "weight-decay": 1e-2, "gc.mode": "local",
                                        "clip-norm": 0.3}),
+    # FOOF: each client's own preconditioner, solved batched (clip-norm 'auto' = 1.0)
+    ("fedpm", "fedpm", {"momentum": 0.5, "weight-decay": 1e-3}),
+    ("fedpm-upload-end-foof-samples", "fedpm", {"fedpm.upload": "end", "fedpm.foof-samples": 20}),
+    ("localnewton", "localnewton", {"weight-decay": 1e-3, "localnewton.damping": 0.1}),
 ]
 STATE_GROUP = {"fedcdr": "dr", "feddr": "dr"}  # the name a solver keeps its state under
 
@@ -176,8 +180,9 @@ def test_steps_and_losses_follow_each_clients_own_size() -> None:
 
 
 @pytest.mark.parametrize("algo, changes, words", [
-    ("fedpm", {}, "overrides"),
-    ("localnewton", {}, "overrides"),
+    ("fedpm", {"fedpm.refresh-every": 2}, "fedpm.refresh-every=2 recomputes each client's FOOF"),
+    ("localnewton", {"localnewton.mode": "exact", "model": "logreg", "weight-decay": 0.01},
+     "localnewton.mode='exact' takes full-batch Newton steps per client"),
 ])
 def test_what_cannot_be_batched_says_why(algo, changes, words) -> None:
     cfg = run_cfg(algo, **changes)
@@ -220,12 +225,13 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     from fedaccel.config import ConfigError
     from fedaccel.local_run import default_run_config, fuse, run_local
 
-    base = {"algo": "fedpm", "num-server-rounds": 1, "clients-per-round": 2,
+    base = {"algo": "fedpm", "fedpm.refresh-every": 2, "num-server-rounds": 1, "clients-per-round": 2,
             "synthetic.max-samples": 60, "results-dir": str(tmp_path)}
-    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*fedpm's local solver overrides"):
+    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*fedpm.refresh-every=2 recomputes"):
         run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
-    assert "clients train one after another (fedpm's local solver overrides" in capsys.readouterr().err
+    assert "clients train one after another (fedpm.refresh-every=2 recomputes" in capsys.readouterr().err
+    del base["fedpm.refresh-every"]
     run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "auto"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err
 

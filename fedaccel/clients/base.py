@@ -105,8 +105,30 @@ class LocalSolver:
     def local_training(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator,
                        lr: float, epochs: int) -> dict[str, float | int]:
         """The round's local steps from the weights in ``model``; returns
-        ``train-loss`` and ``local-steps`` (default: :meth:`run_epochs`)."""
+        ``train-loss`` and ``local-steps`` (default: :meth:`before_steps`,
+        then :meth:`run_epochs`)."""
+        self.before_steps(model, data, generator)
         return self.run_epochs(model, data, generator, lr, epochs)
+
+    def before_steps(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator) -> None:
+        """This client's work between :meth:`begin_round` and its first local
+        step, with the round's starting weights in ``model`` (FedPM's FOOF
+        pass); a draw from ``generator`` here comes before the steps' own
+        mini-batch permutations, in both trainers. Default: nothing."""
+
+    def per_client_reason(self) -> str | None:
+        """Why this solver's round must train one client at a time, or None
+        when the cohort trainer can run it (one line, for the log).
+
+        Default: decided from the code: a solver that replaces one of the
+        loop's hooks (beyond the rule hooks) trains per client. A solver
+        whose overrides are written for both trainers says so by overriding
+        this instead (FedPM's FOOF mode)."""
+        for hook in ("transform_gradients", "local_training", "run_epochs", "make_optimizer"):
+            if self.overrides(hook):
+                return (f"{self.cfg.algo}'s local solver overrides {hook}() "
+                        "(not yet written as a batchable gradient rule)")
+        return None
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This client's tensors that :meth:`gradient_rule` reads, each a list
@@ -130,6 +152,22 @@ class LocalSolver:
         elementwise rule computes unchanged."""
         return g
 
+    def gradient_transform(self, weights: list[torch.Tensor], grads: list[torch.Tensor],
+                           tensors: dict[str, list[torch.Tensor]], leading: int = 0) -> None:
+        """Replace ``grads`` (aligned with ``model.parameters()``) in place by
+        the gradients the optimizer steps with; ``tensors`` as
+        :meth:`step_tensors` gives them. ``leading`` dims in front of every
+        tensor are batch dims (1 in the cohort trainer: the clients).
+
+        Default: :meth:`gradient_rule` for every parameter (an elementwise
+        rule ignores the batch dims). A rule that mixes the elements of a
+        layer (FedPM's preconditioner) overrides this instead, for both
+        trainers."""
+        if not self.overrides("gradient_rule"):
+            return
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            g.copy_(self.gradient_rule(w, g, {k: v[i] for k, v in tensors.items()}))
+
     @classmethod
     def overrides(cls, hook: str) -> bool:
         """Whether this solver replaces the shared loop's ``hook``."""
@@ -140,11 +178,10 @@ class LocalSolver:
         :meth:`gradient_rule` for every parameter. A solver whose step-time
         edit is not elementwise, or keeps a running sum, overrides this hook
         instead (and then trains per client only)."""
-        if not self.overrides("gradient_rule"):
+        if not (self.overrides("gradient_rule") or self.overrides("gradient_transform")):
             return
-        tensors = self.step_tensors()
-        for i, p in enumerate(model.parameters()):
-            p.grad.copy_(self.gradient_rule(p.detach(), p.grad, {k: v[i] for k, v in tensors.items()}))
+        params = list(model.parameters())
+        self.gradient_transform([p.detach() for p in params], [p.grad for p in params], self.step_tensors())
 
     def end_round(
         self, model: torch.nn.Module, state: ClientState

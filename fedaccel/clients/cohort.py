@@ -61,20 +61,15 @@ from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
 from fedaccel.config import RunConfig
 
-# Hooks whose override means the solver's step is more than an elementwise
-# gradient rule (a running sum, a preconditioner, its own loop).
-PER_CLIENT_HOOKS = ("transform_gradients", "local_training", "run_epochs", "make_optimizer")
-
-
 def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
                     augment: bool) -> str | None:
     """Why this run's clients cannot train as one batched model, or None.
 
     One line, for the log: the cohort trainer falls back to the per-client
     loop for the whole run rather than approximate anything."""
-    for hook in PER_CLIENT_HOOKS:
-        if solver.overrides(hook):
-            return f"{cfg.algo}'s local solver overrides {hook}() (not yet written as a batchable gradient rule)"
+    reason = solver.per_client_reason()
+    if reason:
+        return reason
     if augment:
         return "data augmentation draws random crops per batch from each client's generator"
     if any(True for _ in model.buffers()):
@@ -227,7 +222,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         losses = (ce * real).sum(dim=1) / real.sum(dim=1)
         return torch.autograd.grad(losses.sum(), params), losses.detach()
     own = [m.solver.step_tensors() for m in cohort]
-    stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(names))] for k in own[0]}
+    stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
     tensors = stacked  # the active clients' rows (views: accumulators write through)
     # every client's weights, stacked; the active clients' are the first rows,
     # trained in place through views (a client that leaves keeps its rows)
@@ -240,7 +235,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     loss_sum = torch.zeros(len(cohort), device=device)
     seen = torch.zeros(len(cohort), device=device)
     active = len(cohort)
-    plain_rule = not template.overrides("gradient_rule")
+    plain_rule = not (template.overrides("gradient_rule") or template.overrides("gradient_transform"))
     for t in range(index.shape[0]):
         still = active
         while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
@@ -252,11 +247,10 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             active = still
         idx, real = index[t, :active], mask[t, :active]
         grads, losses = grads_of(holder, x_all[idx], y_all[idx], real)
-        for i, p in enumerate(holder):
-            g = grads[i]
-            if not plain_rule:
-                g = template.gradient_rule(p.detach(), g, {k: vs[i] for k, vs in tensors.items()})
+        for p, g in zip(holder, grads):
             p.grad = g
+        if not plain_rule:  # the solver's own rule, on every client at once
+            template.gradient_transform([p.detach() for p in holder], list(grads), tensors, leading=1)
         for transform in composed:  # local GC, as in the per-client loop
             transform()
         if clip_norm > 0:
@@ -331,7 +325,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     Each job goes through its solver's ``open_round`` and ``close_round``
     exactly as in ``fit`` (contract checks, commit protocol, ``begin_round``,
     ``end_round``, ``upload``), with ``model`` as the scratch model they read
-    and write; only ``local_training`` is replaced by :func:`train_cohort`.
+    and write; only ``local_training`` is replaced: each client's
+    ``before_steps``, then :func:`train_cohort`.
     Jobs with the same learning rate and epoch count train together, at most
     ``max_clients`` at a time (chunks one after another: each client's
     gradient is its own, so chunking changes nothing but memory). An
@@ -352,6 +347,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 load_into(model, job.arrays)
                 loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
             train = job.solver.open_round(model, job.config, job.state, job.received)
+            job.solver.before_steps(model, job.data, job.generator)  # as local_training does
         except errors as err:
             out[j] = err
             continue

@@ -238,13 +238,29 @@ class FedPMSolver(LocalSolver):
     def local_training(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator,
                        lr: float, epochs: int) -> dict[str, float | int]:
         """Exact mode: ``epochs`` Newton steps on the whole split; FOOF mode: the
-        shared SGD loop with preconditioned gradients (:meth:`transform_gradients`),
-        after the round's one FOOF pass on ``foof-samples`` rows."""
+        shared loop (:meth:`before_steps`: the round's one FOOF pass on
+        ``foof-samples`` rows; then SGD on the preconditioned gradients,
+        :meth:`gradient_transform`)."""
         if self.mode == "exact":
             return self._newton_steps(model, data, lr, epochs)
+        return super().local_training(model, data, generator, lr, epochs)
+
+    def before_steps(self, model: torch.nn.Module, data: TrainData, generator: torch.Generator) -> None:
+        """The round's FOOF pass at the received weights (FOOF mode)."""
         self._x_foof = self._foof_inputs(data, generator)
         self._refresh(model)
-        return self.run_epochs(model, data, generator, lr, epochs)
+
+    def per_client_reason(self) -> str | None:
+        """The FOOF mode with one preconditioner per round batches (its
+        steps are :meth:`gradient_transform`); the exact Newton mode and a
+        mid-round refresh (a FOOF pass at each client's current weights)
+        train one client at a time."""
+        if self.mode == "exact":
+            return f"{self.cfg.algo}.mode='exact' takes full-batch Newton steps per client"
+        if self.refresh_every:
+            return (f"{self.cfg.algo}.refresh-every={self.refresh_every} recomputes each client's FOOF "
+                    "matrix at its own weights during the round")
+        return None
 
     def _precond_record(self, matrices: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, ArrayRecord]:
         if not self.uploads_preconditioners:
@@ -266,6 +282,11 @@ class FedPMSolver(LocalSolver):
         # The round's one FOOF pass runs in local_training (more only with
         # refresh-every > 0 or upload='end').
         self.layers = OrderedDict(foof.foof_layers(model))
+        names = [n for n, _ in model.named_parameters()]
+        # each preconditioned layer's (weight, bias) positions in model.parameters()
+        self._layer_params = [(names.index(f"{name}.weight" if name else "weight"),
+                               names.index(f"{name}.bias" if name else "bias") if m.bias is not None else None)
+                              for name, m in self.layers.items()]
         self.step = 0
         self._newton_preconditioner: torch.Tensor | None = None
 
@@ -277,16 +298,29 @@ class FedPMSolver(LocalSolver):
         if self.refresh_every and self.step and self.step % self.refresh_every == 0:
             self._refresh(model)
         self.step += 1
+        super().transform_gradients(model)
+
+    def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The Cholesky factor of ``A + damping I`` of every preconditioned layer."""
+        return {"factor": [self.factors[name] for name in self.layers]}
+
+    def gradient_transform(self, weights: list[torch.Tensor], grads: list[torch.Tensor],
+                           tensors: dict[str, list[torch.Tensor]], leading: int = 0) -> None:
+        """``G~ <- (G~ + wd W~) (A + damping I)^-1`` for every preconditioned
+        layer (eq. (11), the regularised gradient preconditioned), ``g + wd w``
+        for the other parameters; ``leading`` batch dims (the cohort's clients)
+        solve each client with its own factor."""
         wd = self.cfg.weight_decay
         if wd:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.add_(p.detach(), alpha=wd)
-        for name, module in self.layers.items():
-            if module.weight.grad is None:
+            for w, g in zip(weights, grads):
+                if g is not None:
+                    g.add_(w, alpha=wd)
+        for (wi, bi), factor in zip(self._layer_params, tensors["factor"]):
+            gw, gb = grads[wi], (grads[bi] if bi is not None else None)
+            if gw is None:
                 continue
-            g = foof.weight_matrix(module, grad=True)
-            foof.write_matrix(module, foof.right_solve(g, self.factors[name]), grad=True)
+            g = foof.stacked_matrix(gw, gb, leading)
+            foof.write_stacked(gw, gb, foof.right_solve(g, factor), leading)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         if not self.uploads_preconditioners:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+import math
 from functools import lru_cache
 
 import torch
@@ -152,8 +153,28 @@ def damped_cholesky(a: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def right_solve(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``g M^-1`` for symmetric ``M = factor factor^T``: ``(M^-1 g^T)^T``."""
-    return torch.cholesky_solve(g.to(factor.dtype).T, factor).T
+    """``g M^-1`` for symmetric ``M = factor factor^T``: ``(M^-1 g^T)^T``
+    (leading dims of both are batch dims: the cohort trainer's clients)."""
+    return torch.cholesky_solve(g.to(factor.dtype).mT, factor).mT
+
+
+def stacked_matrix(w: torch.Tensor, b: torch.Tensor | None, leading: int = 0) -> torch.Tensor:
+    """``[W | b]`` of a layer's tensors (weights or gradients) as
+    ``(..., out, input_dim)``, with ``leading`` batch dims in front
+    (:func:`weight_matrix` of one layer for ``leading=0``)."""
+    lead, out = w.shape[:leading], w.shape[leading]
+    mat = w.reshape(*lead, out, -1)
+    if b is not None:
+        mat = torch.cat([mat, b.reshape(*lead, out, 1)], dim=-1)
+    return mat
+
+
+def write_stacked(w: torch.Tensor, b: torch.Tensor | None, mat: torch.Tensor, leading: int = 0) -> None:
+    """Inverse of :func:`stacked_matrix`: copy ``mat`` into ``w`` and ``b``."""
+    cols = math.prod(w.shape[leading + 1:])
+    w.copy_(mat[..., :cols].reshape(w.shape).to(w.dtype))
+    if b is not None:
+        b.copy_(mat[..., cols].to(b.dtype))
 
 
 @lru_cache(maxsize=16)
