@@ -15,7 +15,9 @@ Nothing of an algorithm is written twice. Per step, as in
 - the task gradient: cross-entropy of the client's mini-batch;
 - the algorithm's edit: the solver's own
   :meth:`~fedaccel.clients.base.LocalSolver.gradient_rule`, elementwise, so it
-  is applied unchanged to the stacked tensors (running sums it keeps, in
+  is applied unchanged to the stacked tensors, or its
+  :meth:`~fedaccel.clients.base.LocalSolver.gradient_transform` with the
+  client dim as a batch dim (FedPM's per-client FOOF solves); running sums it keeps, in
   :attr:`~fedaccel.clients.base.LocalSolver.accumulators`, are written back
   to each client after the round);
 - the composed layers: local gradient centralization
@@ -38,9 +40,13 @@ Equivalence with the per-client loop is to float32 rounding (the batched
 kernels sum in another order): ``tests/test_cohort.py`` checks every
 batchable algorithm's round against the per-client one.
 
-Which solvers can be batched is decided from the code, not declared: a
-solver that overrides none of the loop's hooks other than ``gradient_rule``
-and ``step_tensors`` (:func:`fallback_reason`).
+Which solvers can be batched is decided from the code
+(:meth:`~fedaccel.clients.base.LocalSolver.per_client_reason`): a solver that
+overrides none of the loop's hooks other than the rule hooks
+(``gradient_rule``, ``gradient_transform``, ``step_tensors``,
+``before_steps``), or one that says its overrides serve both trainers
+(FedPM's FOOF mode); :func:`fallback_reason` adds what the run itself rules
+out (augmentation, dropout, buffers).
 """
 
 from __future__ import annotations
