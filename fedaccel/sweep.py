@@ -8,8 +8,8 @@ A study file is YAML::
     config: configs/x.yaml    # optional: a run-config file every cell starts from
     base:                     # run-config keys every cell shares (nested tables allowed)
       num-server-rounds: 30
-    variants:                 # alternatives, each its own keys (default: one empty variant)
-      - {algo: fedavg}
+    variants:                 # alternatives, each its own keys (default: one empty variant);
+      - {algo: fedavg}        # or named axes crossed: {method: [...], data: [...]}
       - {algo: fedprox, fedprox.mu: 0.01}
     grid:                     # every combination of these values
       lr: [0.01, 0.05]
@@ -180,6 +180,26 @@ def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], se
     return cells
 
 
+def crossed_variants(path: Path, spec: Any) -> list[dict[str, Any]]:
+    """``variants`` as a list of mappings (one axis), or a mapping of named
+    axes, each a list of mappings, crossed in the order written (e.g.
+    ``{method: [...], data: [...]}``: every method on every data set)."""
+    if not spec:
+        return [{}]
+    axes = list(spec.values()) if isinstance(spec, dict) else [spec]
+    for axis in axes:
+        if not isinstance(axis, list) or not axis or not all(isinstance(v, dict) for v in axis):
+            raise ConfigError(f"{path}: variants must be a list of mappings of run-config keys, or a "
+                              "mapping of named lists of them (crossed)")
+    out = []
+    for combo in product(*axes):
+        merged: dict[str, Any] = {}
+        for part in combo:
+            merged.update(flatten_dict(part))
+        out.append(merged)
+    return out
+
+
 def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study, dict[str, Any]]:
     """The study's cells and the run config they share (base file + ``base``),
     checked (:class:`ConfigError` for a malformed file)."""
@@ -207,9 +227,7 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: base must map run-config keys to values")
     shared.update(flatten_dict(base))
-    variants = raw.get("variants") or [{}]
-    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
-        raise ConfigError(f"{path}: variants must be a list of mappings of run-config keys")
+    variants = crossed_variants(path, raw.get("variants"))
     seeds = raw.get("seeds", [shared.get("seed", 0)])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
                                                           for s in seeds):
@@ -220,7 +238,7 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
     name = str(raw.get("name") or path.stem)
     if "/" in name or name in (".", ".."):
         raise ConfigError(f"{path}: name={name!r} must be a folder name")
-    cells = expand([flatten_dict(v) for v in variants], grid_values(raw.get("grid")), seeds)
+    cells = expand(variants, grid_values(raw.get("grid")), seeds)
     root = Path(results_dir or raw.get("results-dir") or Path(shared.get("results-dir", "results")) / "sweeps")
     return Study(name, root / name, num_clients, cells), shared
 

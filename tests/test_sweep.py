@@ -195,3 +195,18 @@ def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
         assert {"summary.json", "metrics.jsonl", "config.json", "final_model.npz"} <= {p.name for p in folder.iterdir()}
         assert json.loads((folder / "config.json").read_text())["seed"] == seed
     assert not list((tmp_path / "out" / "s" / "cells").glob("*/.*.tmp"))
+
+
+def test_named_variant_axes_are_crossed(tmp_path) -> None:
+    path = write_study(tmp_path, variants={
+        "method": [{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.001}],
+        "data": [{"synthetic": {"alpha": 0.0, "beta": 0.0}}, {"synthetic.alpha": 1.0, "synthetic.beta": 1.0}]},
+        seeds=[0])
+    study, _ = load_study(path)
+    assert [c.name for c in study.cells] == [
+        "algo=fedavg,synthetic.alpha=0.0,synthetic.beta=0.0,seed=0",
+        "algo=fedavg,synthetic.alpha=1.0,synthetic.beta=1.0,seed=0",
+        "algo=fedprox,fedprox.mu=0.001,synthetic.alpha=0.0,synthetic.beta=0.0,seed=0",
+        "algo=fedprox,fedprox.mu=0.001,synthetic.alpha=1.0,synthetic.beta=1.0,seed=0"]
+    with pytest.raises(ConfigError, match="named lists of them"):
+        load_study(write_study(tmp_path, variants={"method": [{"algo": "fedavg"}], "data": []}))
