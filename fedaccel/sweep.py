@@ -57,6 +57,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import product
 from multiprocessing import get_context
@@ -64,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from fedaccel.config import ConfigError
+from fedaccel.errors import ResultsDirError
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -71,6 +73,7 @@ from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, lo
 PROG = "fedaccel-sweep"
 STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "seeds")
 RANGE_KINDS = ("linear", "log")
+PLACE_KEYS = ("results-dir", "run-name")  # where a cell is, not what it runs
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,19 @@ def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], se
     return cells
 
 
+def _flat(path: Path, what: str, mapping: dict[Any, Any]) -> dict[str, Any]:
+    """A mapping of run-config keys (nested tables allowed) as dotted keys."""
+    try:
+        flat = flatten_dict(mapping)
+    except ValueError as err:  # Flower's message for a value that is no run-config value
+        raise ConfigError(f"{path}: {what}: {err}") from None
+    bad = [k for k in flat if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{path}: {what}: {bad[0]!r} is not a run-config key (keys are names, "
+                          "e.g. lr or fedprox.mu)")
+    return flat
+
+
 def crossed_variants(path: Path, spec: Any) -> list[dict[str, Any]]:
     """``variants`` as a list of mappings (one axis), or a mapping of named
     axes, each a list of mappings, crossed in the order written (e.g.
@@ -195,7 +211,7 @@ def crossed_variants(path: Path, spec: Any) -> list[dict[str, Any]]:
     for combo in product(*axes):
         merged: dict[str, Any] = {}
         for part in combo:
-            merged.update(flatten_dict(part))
+            merged.update(_flat(path, "variants", part))
         out.append(merged)
     return out
 
@@ -210,6 +226,9 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such study file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the study file ({err.__class__.__name__}: "
+                          f"{getattr(err, 'strerror', None) or err})") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -222,11 +241,16 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
                           "(run-config keys go under base, variants or grid)")
     shared: dict[str, Any] = {}
     if raw.get("config"):
-        shared.update(load_yaml_config(str(raw["config"])))
+        run_file = Path(str(raw["config"])).expanduser()
+        if not run_file.is_absolute() and not run_file.is_file() and (path.parent / run_file).is_file():
+            run_file = path.parent / run_file  # relative to the study file
+        if not run_file.is_file():
+            raise ConfigError(f"{path}: config: {raw['config']}: no such run-config file")
+        shared.update(load_yaml_config(str(run_file)))
     base = raw.get("base") or {}
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: base must map run-config keys to values")
-    shared.update(flatten_dict(base))
+    shared.update(_flat(path, "base", base))
     variants = crossed_variants(path, raw.get("variants"))
     seeds = raw.get("seeds", [shared.get("seed", 0)])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool)
@@ -239,7 +263,8 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
     if "/" in name or name in (".", ".."):
         raise ConfigError(f"{path}: name={name!r} must be a folder name")
     cells = expand(variants, grid_values(raw.get("grid")), seeds)
-    root = Path(results_dir or raw.get("results-dir") or Path(shared.get("results-dir", "results")) / "sweeps")
+    root = Path(results_dir or raw.get("results-dir")
+                or Path(str(shared.get("results-dir", "results"))) / "sweeps").expanduser()
     return Study(name, root / name, num_clients, cells), shared
 
 
@@ -274,14 +299,21 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
     then record this plan (``plan.json``: every cell's full run config)."""
     plan_path = study.folder / "plan.json"
     planned = {cell.name: config for cell, config in zip(study.cells, configs)}
+    old: dict[str, Any] = {}
     if plan_path.is_file():
-        old = json.loads(plan_path.read_text(encoding="utf-8"))
+        try:
+            old = json.loads(plan_path.read_text(encoding="utf-8"))
+            old["cells"] = dict(old.get("cells", {}))
+        except (ValueError, TypeError, AttributeError):
+            raise ConfigError(f"{plan_path} is not a sweep plan (damaged?): delete it to run the study "
+                              "again (finished cells are then trusted as they are)") from None
         changed = []
         for name, config in planned.items():
-            before = old.get("cells", {}).get(name)
+            before = old["cells"].get(name)
             if before is None or not finished(study.folder / "cells" / name):
                 continue
-            keys = sorted(k for k in set(before) | set(config) if before.get(k) != config.get(k))
+            keys = sorted(k for k in set(before) | set(config)
+                          if k not in PLACE_KEYS and before.get(k) != config.get(k))
             if keys or old.get("num-clients") != study.num_clients:
                 what = ", ".join(f"{k}: {before.get(k)!r} -> {config.get(k)!r}" for k in keys[:3]) or (
                     f"num-clients: {old.get('num-clients')} -> {study.num_clients}")
@@ -290,15 +322,26 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
             raise ConfigError(
                 f"{study.folder} holds finished cells that ran with other settings than the study file "
                 f"now says; give the study another name, or delete those cells' folders:\n" + "\n".join(changed))
-    study.folder.mkdir(parents=True, exist_ok=True)
-    tmp = plan_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"num-clients": study.num_clients, "cells": planned}, indent=1) + "\n",
-                   encoding="utf-8")
-    tmp.replace(plan_path)
+    # cells that left the study stay in the plan: if they come back, they are checked too
+    cells = {**old.get("cells", {}), **planned}
+    try:
+        study.folder.mkdir(parents=True, exist_ok=True)
+        tmp = plan_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"num-clients": study.num_clients, "cells": cells}, indent=1) + "\n",
+                       encoding="utf-8")
+        tmp.replace(plan_path)
+    except OSError as err:
+        raise ResultsDirError(f"cannot write the study's folder {study.folder} "
+                              f"({err.strerror or err}): use another --results-dir") from None
 
 
 def finished(run_dir: Path) -> bool:
-    return (run_dir / "summary.json").is_file()
+    """A cell is finished when its run wrote a readable ``summary.json``
+    (the run's last word; a sweep killed while it was written reruns it)."""
+    try:
+        return isinstance(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> tuple[str, float, str | None]:
@@ -353,10 +396,14 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
     started here for the sweep)."""
     import ray
 
-    if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
+    try:
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"--ray-address {address}: no Ray cluster there ({str(err).splitlines()[0]}); "
+                          "start one (ray start --head) or use 'local'") from None
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         threads = 2 if cpus >= 2 * len(todo) else 1
@@ -365,8 +412,12 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                pending.pop(ref)
-                name, took, error, files = ray.get(ref)
+                config = pending.pop(ref)
+                try:
+                    name, took, error, files = ray.get(ref)
+                except ray.exceptions.RayError as err:  # the task or its worker died
+                    record(config["run-name"], 0.0, f"its Ray task failed ({str(err).splitlines()[0]})")
+                    continue
                 if files:
                     _store_cell(cells_dir, name, files)
                 record(name, took, error)
@@ -427,11 +478,15 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
             record(*_run_cell(config, study.num_clients, None))
     else:
         with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            pending: set[Future] = {pool.submit(_run_cell, c, study.num_clients, threads) for c in todo}
+            submitted = {pool.submit(_run_cell, c, study.num_clients, threads): c["run-name"] for c in todo}
+            pending: set[Future] = set(submitted)
             while pending:
                 complete, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in complete:
-                    record(*future.result())
+                    try:
+                        record(*future.result())
+                    except BrokenProcessPool:  # a worker died (killed, out of memory): its cells failed
+                        record(submitted[future], 0.0, "its worker process died (out of memory?)")
     report = write_report(study) if any(finished(cells_dir / c.name) for c in study.cells) else None
     if report:
         print(f"[sweep] report: {report / 'comparison.md'}, {report / 'groups.csv'}, "

@@ -210,3 +210,63 @@ def test_named_variant_axes_are_crossed(tmp_path) -> None:
         "algo=fedprox,fedprox.mu=0.001,synthetic.alpha=1.0,synthetic.beta=1.0,seed=0"]
     with pytest.raises(ConfigError, match="named lists of them"):
         load_study(write_study(tmp_path, variants={"method": [{"algo": "fedavg"}], "data": []}))
+
+
+def fake_finished(study, name: str) -> None:
+    folder = study.folder / "cells" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "summary.json").write_text("{}")
+
+
+def plan(path):
+    from fedaccel.sweep import check_cells, check_plan
+
+    study, shared = load_study(path)
+    check_plan(study, check_cells(study, shared))
+    return study
+
+
+def test_a_cell_that_leaves_the_study_and_comes_back_changed_is_refused(tmp_path) -> None:
+    study = plan(write_study(tmp_path, seeds=[0]))
+    fake_finished(study, "seed=0")
+    plan(write_study(tmp_path, seeds=[1], base={**TINY, "lr": 0.5}))  # seed=0 not in this study
+    with pytest.raises(ConfigError, match=r"(?s)seed=0 \(lr: 0.05 -> 0.5\)"):
+        plan(write_study(tmp_path, seeds=[0, 1], base={**TINY, "lr": 0.5}))
+
+
+def test_the_same_study_from_another_path_is_not_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    study = plan(write_study(tmp_path, seeds=[0], **{"results-dir": "out"}))
+    fake_finished(study, "seed=0")
+    plan(write_study(tmp_path, seeds=[0], **{"results-dir": str(tmp_path / "out")}))  # absolute now
+
+
+def test_home_in_results_dir_and_a_damaged_summary(tmp_path, monkeypatch) -> None:
+    from fedaccel.sweep import finished
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    study, _ = load_study(write_study(tmp_path, seeds=[0], **{"results-dir": "~/sweeps"}))
+    assert study.folder == tmp_path / "sweeps" / "s"
+    fake_finished(study, "seed=0")
+    assert finished(study.folder / "cells" / "seed=0")
+    (study.folder / "cells" / "seed=0" / "summary.json").write_text('{"final_accg": 0.')  # killed mid-write
+    assert not finished(study.folder / "cells" / "seed=0")
+
+
+def test_a_run_file_is_found_next_to_the_study_and_bad_paths_get_one_line(tmp_path, capsys, monkeypatch) -> None:
+    import yaml
+
+    (tmp_path / "run.yaml").write_text("lr: 0.02\n")
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump({"config": "run.yaml", "base": TINY, "seeds": [0],
+                                    "results-dir": str(tmp_path / "out")}))
+    monkeypatch.chdir("/")
+    _, shared = load_study(path)
+    assert shared["lr"] == 0.02
+    for bad in (str(tmp_path), str(tmp_path / "missing.yaml")):
+        assert main([bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("fedaccel-sweep: error: ") and "\n" not in err
+    path.write_text(yaml.safe_dump({"variants": [{1: 2}]}))
+    assert main([str(path)]) == 2
+    assert "1 is not a run-config key" in capsys.readouterr().err
