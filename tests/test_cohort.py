@@ -236,23 +236,39 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     assert "each round's clients train as one batched model" in capsys.readouterr().err
 
 
-def test_chunks_train_the_same_clients_to_the_same_weights() -> None:
+@pytest.mark.parametrize("algo", ["fedprox", "fedpm"])
+def test_chunks_train_the_same_clients_to_the_same_weights(algo) -> None:
     """A cohort split into chunks of 2 ends where the whole cohort does:
-    each client's gradient is its own, whoever shares its batch."""
-    cfg = run_cfg("fedprox", **{"batch-size": 16, "momentum": 0.9})
+    each client's gradient is its own, whoever shares its batch (FedPM: each
+    chunk's clients make their FOOF pass when their chunk trains)."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
     model, datas = make_model(), clients()
     start = state_to_arrays(model)
 
     def round_with(max_clients):
         jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start,
-                          config=config_for("fedprox", 1), state=ContextState(RecordDict()),
+                          config=config_for(algo, 1), state=ContextState(RecordDict()),
                           generator=seeded_generator(cfg.seed, 1, c, "train"))
                 for c, data in enumerate(datas)]
-        return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()]
-                for r in fit_cohort(copy.deepcopy(model), jobs, 16, max_clients=max_clients)]
+        results = fit_cohort(copy.deepcopy(model), jobs, 16, max_clients=max_clients)
+        if algo == "fedpm":  # a finished client keeps no FOOF matrices in memory
+            assert all(not job.solver.factors and not job.solver.used for job in jobs)
+        return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()] for r in results]
     for whole, chunked in zip(round_with(None), round_with(2)):
         for p, q in zip(whole, chunked):
             torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_fedpm_counts_its_foof_matrices_in_the_chunk_estimate() -> None:
+    from fedaccel.clients.cohort import bytes_per_client
+
+    model = make_model()
+    solver = get_algorithm("fedpm").solver(run_cfg("fedpm"))
+    d = [7, 33]  # the 6-32-3 MLP's layers: inputs + bias
+    assert solver.cohort_bytes(model) == sum(k * k * (8 + 2 * 4) for k in d)
+    assert LocalSolver(run_cfg("fedavg")).cohort_bytes(model) == 0
+    plain = bytes_per_client(model, torch.zeros(6), 16)
+    assert bytes_per_client(model, torch.zeros(6), 16, solver.cohort_bytes(model)) == plain + solver.cohort_bytes(model)
 
 
 def test_memory_per_client_counts_activations_and_model_copies() -> None:

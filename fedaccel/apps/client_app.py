@@ -279,7 +279,7 @@ def cohort_chunk(rt: ClientRuntime) -> int:
     if rt.cfg.cohort_chunk > 0:
         return rt.cfg.cohort_chunk
     return chunk_size(rt.model, rt.train.x.new_zeros(rt.train.x.shape[1:]), rt.cfg.batch_size,
-                      available_bytes())
+                      available_bytes(), extra=rt.solver.cohort_bytes(rt.model))
 
 
 def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:

@@ -116,6 +116,12 @@ class LocalSolver:
         pass); a draw from ``generator`` here comes before the steps' own
         mini-batch permutations, in both trainers. Default: nothing."""
 
+    def cohort_bytes(self, model: torch.nn.Module) -> int:
+        """Memory this solver keeps per client while a cohort trains, beyond
+        the model-sized copies the cohort trainer counts itself (bytes; used
+        to size chunks). Default: none."""
+        return 0
+
     def per_client_reason(self) -> str | None:
         """Why this solver's round must train one client at a time, or None
         when the cohort trainer can run it (one line, for the log).
@@ -175,9 +181,10 @@ class LocalSolver:
 
     def transform_gradients(self, model: torch.nn.Module) -> None:
         """Edit ``p.grad`` in place after backward, before the optimizer step:
-        :meth:`gradient_rule` for every parameter. A solver whose step-time
-        edit is not elementwise, or keeps a running sum, overrides this hook
-        instead (and then trains per client only)."""
+        :meth:`gradient_transform` (by default :meth:`gradient_rule` for every
+        parameter). A solver overrides this hook only for work that is not
+        part of the step rule (FedPM's mid-round refresh); one that does must
+        say whether it can still be batched (:meth:`per_client_reason`)."""
         if not (self.overrides("gradient_rule") or self.overrides("gradient_transform")):
             return
         params = list(model.parameters())

@@ -110,11 +110,12 @@ MODEL_COPIES = 10
 MEMORY_FRACTION = 0.25  # of the memory available when the round starts
 
 
-def bytes_per_client(model: torch.nn.Module, sample: torch.Tensor, batch_size: int) -> int:
+def bytes_per_client(model: torch.nn.Module, sample: torch.Tensor, batch_size: int, extra: int = 0) -> int:
     """The memory one more client adds to a batched step, estimated: the
     activations a forward pass of one mini-batch keeps for the backward pass
     (counted with ``saved_tensors_hooks``: exact for this model), its logits
-    and their gradient, and :data:`MODEL_COPIES` model-sized tensors."""
+    and their gradient, :data:`MODEL_COPIES` model-sized tensors, and
+    ``extra`` bytes the solver keeps per client (:meth:`LocalSolver.cohort_bytes`)."""
     saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -126,16 +127,16 @@ def bytes_per_client(model: torch.nn.Module, sample: torch.Tensor, batch_size: i
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return saved + 2 * out.numel() * out.element_size() + MODEL_COPIES * params
+    return saved + 2 * out.numel() * out.element_size() + MODEL_COPIES * params + extra
 
 
 def chunk_size(model: torch.nn.Module, sample: torch.Tensor, batch_size: int,
-               available: int | None, fraction: float = MEMORY_FRACTION) -> int:
+               available: int | None, fraction: float = MEMORY_FRACTION, extra: int = 0) -> int:
     """How many clients train as one batch: as many as fit in ``fraction`` of
     ``available`` bytes (at least 1); no limit where the machine does not say."""
     if available is None:
         return 1 << 30
-    return max(1, int(fraction * available) // max(bytes_per_client(model, sample, batch_size), 1))
+    return max(1, int(fraction * available) // max(bytes_per_client(model, sample, batch_size, extra), 1))
 
 
 def batched_forward(model: torch.nn.Module) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
@@ -353,7 +354,6 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 load_into(model, job.arrays)
                 loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
             train = job.solver.open_round(model, job.config, job.state, job.received)
-            job.solver.before_steps(model, job.data, job.generator)  # as local_training does
         except errors as err:
             out[j] = err
             continue
@@ -362,17 +362,29 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
     for (lr, epochs), group in groups.items():
-        weights, metrics = [], []
+        # chunk by chunk, each client's work from before_steps to close_round,
+        # so that only one chunk's per-client tensors (FedPM's FOOF factors) live at once
         for start in range(0, len(group), chunk):
-            w, m = train_cohort(model, [m for _, m in group[start:start + chunk]], lr, epochs, batch_size)
-            weights += w
-            metrics += m
-        for (j, _), w, m in zip(group, weights, metrics):
-            with torch.no_grad():
-                for p, v in zip(model.parameters(), w):
-                    p.copy_(v)
-            try:
-                out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m)
-            except errors as err:
-                out[j] = err
+            part = []
+            for j, member in group[start:start + chunk]:
+                try:
+                    _load_weights(model, member.start)
+                    member.solver.before_steps(model, member.data, member.generator)  # as local_training
+                except errors as err:
+                    out[j] = err
+                    continue
+                part.append((j, member))
+            weights, metrics = train_cohort(model, [m for _, m in part], lr, epochs, batch_size)
+            for (j, _), w, m in zip(part, weights, metrics):
+                _load_weights(model, w)
+                try:
+                    out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m)
+                except errors as err:
+                    out[j] = err
     return out  # type: ignore[return-value]
+
+
+def _load_weights(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), weights):
+            p.copy_(v)

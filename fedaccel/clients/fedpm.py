@@ -300,6 +300,15 @@ class FedPMSolver(LocalSolver):
         self.step += 1
         super().transform_gradients(model)
 
+    def cohort_bytes(self, model: torch.nn.Module) -> int:
+        """Per client: each layer's FOOF matrix (float64), its factor (the
+        layer's dtype) and the cohort's stacked copy of the factor."""
+        total = 0
+        for _, module in foof.foof_layers(model):
+            d, size = foof.input_dim(module), module.weight.element_size()
+            total += d * d * (8 + 2 * size)
+        return total
+
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The Cholesky factor of ``A + damping I`` of every preconditioned layer."""
         return {"factor": [self.factors[name] for name in self.layers]}
@@ -323,14 +332,16 @@ class FedPMSolver(LocalSolver):
             foof.write_stacked(gw, gb, foof.right_solve(g, factor), leading)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
+        # the round's matrices are done with after this (a cohort holds many clients' solvers)
+        used, x_foof = getattr(self, "used", {}), getattr(self, "_x_foof", None)
+        self._x_foof, self.used, self.factors = None, {}, {}
         if not self.uploads_preconditioners:
             return {}
         if self.mode == "exact":
             return self._precond_record({"fc": self._newton_preconditioner}, next(model.parameters()).dtype)
         # 'used': the matrix of the last local step, no second FOOF pass.
-        matrices = self.used if self.upload_which == "used" else foof.compute_foof(model, self._x_foof)
+        matrices = used if self.upload_which == "used" else foof.compute_foof(model, x_foof)
         dtype = next(model.parameters()).dtype
-        self._x_foof = None
         return self._precond_record(matrices, dtype)
 
     # ---------------------------------------------------------- exact
