@@ -329,10 +329,7 @@ def test_group_seeds_ignores_what_the_seed_draws(tmp_path):
         return {"algo": "fedavg", "seed": seed, "run-name": f"r{seed}{model}",
                 "resolved": {"seed": seed, "run_name": f"r{seed}", "model": model,
                              "partition-sizes": sizes, "global-test-size": sum(sizes)}}
-    dirs = []
-    for seed, sizes, model in ((0, [3, 5], "mlp"), (1, [4, 6], "mlp"), (2, [4, 6], "logreg")):
-        d = tmp_path / f"r{seed}"
-        write_run(d, resolved(seed, sizes, model), [0.5, 0.6])
-        dirs.append(d)
-    groups = compare.group_by_seed(compare.load_runs(dirs))
+    runs = [compare.RunInfo(tmp_path / f"r{seed}", resolved(seed, sizes, model), [], {})
+            for seed, sizes, model in ((0, [3, 5], "mlp"), (1, [4, 6], "mlp"), (2, [4, 6], "logreg"))]
+    groups = compare.group_by_seed(runs)
     assert [g.seeds for g in groups] == [[0, 1], [2]]

@@ -90,6 +90,7 @@ def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     assert (cells / "algo=fedavg,seed=1" / "summary.json").is_file()
 
 
+@pytest.mark.slow  # a real run and a report: 4 s (the plan checks run quick on faked cells below)
 def test_a_finished_cell_is_skipped_and_a_study_changed_under_it_is_refused(tmp_path) -> None:
     path = write_study(tmp_path, seeds=[0], base={**TINY, "num-server-rounds": 1})
     study, shared = load_study(path)
