@@ -271,3 +271,12 @@ def test_a_run_file_is_found_next_to_the_study_and_bad_paths_get_one_line(tmp_pa
     path.write_text(yaml.safe_dump({"variants": [{1: 2}]}))
     assert main([str(path)]) == 2
     assert "1 is not a run-config key" in capsys.readouterr().err
+
+
+def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:
+    path = write_study(tmp_path, seeds=[0])
+    plan(path)
+    (tmp_path / "out" / "s" / "plan.json").write_text("{not json")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: ") and "is not a sweep plan (damaged?): delete it" in err
