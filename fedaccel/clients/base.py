@@ -138,7 +138,9 @@ class LocalSolver:
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This client's tensors that :meth:`gradient_rule` reads, each a list
-        aligned with ``model.parameters()`` (e.g. FedProx's anchor ``w^t``).
+        aligned with ``model.parameters()`` (e.g. FedProx's anchor ``w^t``;
+        a :meth:`gradient_transform` may order its own lists otherwise, e.g.
+        FedPM's one factor per preconditioned layer).
         Set up by :meth:`begin_round`; none for FedAvg."""
         return {}
 
@@ -175,6 +177,13 @@ class LocalSolver:
             g.copy_(self.gradient_rule(w, g, {k: v[i] for k, v in tensors.items()}))
 
     @classmethod
+    def edits_gradients(cls) -> bool:
+        """Whether this solver's step differs from the task gradient (it has a
+        :meth:`gradient_rule` or a :meth:`gradient_transform`): both trainers
+        skip the rule when it does not."""
+        return cls.overrides("gradient_rule") or cls.overrides("gradient_transform")
+
+    @classmethod
     def overrides(cls, hook: str) -> bool:
         """Whether this solver replaces the shared loop's ``hook``."""
         return getattr(cls, hook) is not getattr(LocalSolver, hook)
@@ -185,7 +194,7 @@ class LocalSolver:
         parameter). A solver overrides this hook only for work that is not
         part of the step rule (FedPM's mid-round refresh); one that does must
         say whether it can still be batched (:meth:`per_client_reason`)."""
-        if not (self.overrides("gradient_rule") or self.overrides("gradient_transform")):
+        if not self.edits_gradients():
             return
         params = list(model.parameters())
         self.gradient_transform([p.detach() for p in params], [p.grad for p in params], self.step_tensors())

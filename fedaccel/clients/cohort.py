@@ -242,7 +242,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     loss_sum = torch.zeros(len(cohort), device=device)
     seen = torch.zeros(len(cohort), device=device)
     active = len(cohort)
-    plain_rule = not (template.overrides("gradient_rule") or template.overrides("gradient_transform"))
+    plain_rule = not template.edits_gradients()
     for t in range(index.shape[0]):
         still = active
         while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
