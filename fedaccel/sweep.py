@@ -83,10 +83,6 @@ class Cell:
     name: str
     overrides: dict[str, Any]
 
-    def group_key(self) -> str:
-        """The cell's keys without the seed (cells that differ only in seed)."""
-        return json.dumps({k: v for k, v in self.overrides.items() if k != "seed"}, sort_keys=True)
-
 
 @dataclass(frozen=True)
 class Study:
