@@ -126,6 +126,8 @@ class RunConfig:
     clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
     cohort_batching: str = "off"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
     cohort_chunk: int = 0  # clients per batched chunk; 0: sized to the memory available
+    checkpoint_every: int = 0  # write a checkpoint after every k-th round (0: never; fedaccel.checkpoint)
+    resume: str = ""  # a run folder or checkpoint file to continue from ("" = a new run)
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

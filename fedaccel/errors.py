@@ -6,7 +6,7 @@ Each kind has one exit code in ``fedaccel-run`` (documented in the README):
   YAML file that is missing or malformed, a model that does not fit the data);
 - 3: the machine or the data is wrong (missing or corrupt data files, a
   results folder that cannot be written, too few clients for the run, not
-  enough memory);
+  enough memory, a missing or damaged checkpoint);
 - 4: the run started and failed (every client of a round failed).
 
 Anything else is a bug in fedaccel: exit code 1 with a traceback.
@@ -29,18 +29,22 @@ class ResourceError(RuntimeError):
     """The run cannot fit in this machine (memory), said before anything is built."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint to resume from is missing, damaged or unusable here."""
+
+
 class RoundFailedError(RuntimeError):
     """Every client of a round failed; continuing would silently freeze the model."""
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, DataError, ModelError, FederationError, ResultsDirError, ResourceError,
-    RoundFailedError,
+    CheckpointError, RoundFailedError,
 )
 
 EXIT_CODES: dict[type[BaseException], int] = {
     ConfigError: 2, ModelError: 2,
-    DataError: 3, FederationError: 3, ResultsDirError: 3, ResourceError: 3,
+    DataError: 3, FederationError: 3, ResultsDirError: 3, ResourceError: 3, CheckpointError: 3,
     RoundFailedError: 4,
 }
 

@@ -10,6 +10,7 @@ import time
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,8 +19,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedaccel.arrays import load_into
+from fedaccel.checkpoint import (Checkpoint, carried_state, config_mismatch, find_checkpoint,
+                                 read_checkpoint, restore_carried_state, run_dir_of, write_checkpoint)
 from fedaccel.config import RunConfig, config_error
-from fedaccel.errors import FederationError, ResultsDirError
+from fedaccel.errors import CheckpointError, FederationError, ResultsDirError
 from fedaccel.memory import require_memory
 from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
@@ -88,9 +91,10 @@ def resolve_run_dir(cfg: RunConfig) -> Path:
     return (Path(cfg.results_dir).expanduser() / name).resolve()
 
 
-def writable_run_dir(cfg: RunConfig) -> Path:
-    """The run's results folder, created and checked writable before any work."""
-    run_dir = resolve_run_dir(cfg)
+def writable_run_dir(cfg: RunConfig, run_dir: Path | None = None) -> Path:
+    """The run's results folder (``run_dir``, or the one ``cfg`` names),
+    created and checked writable before any work."""
+    run_dir = run_dir or resolve_run_dir(cfg)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".fedaccel-write-check"
@@ -107,8 +111,12 @@ class Experiment:
     """One run on the server: model, test set, strategy and recorder."""
 
     def __init__(self, cfg: RunConfig, federation: Federation, quiet: bool = False,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, resume: Checkpoint | None = None,
+                 client_store: ClientStore | None = None) -> None:
         self.cfg = cfg
+        self.quiet = quiet
+        self.resume = resume
+        self.client_store = client_store
         self.federation = federation
         self.spec = get_algorithm(cfg.algo)
         dataset = load_data(data_config_for(cfg, federation.num_clients))
@@ -127,7 +135,8 @@ class Experiment:
             "global-test-size": int(dataset.test_y.shape[0]),
         })
         self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
-                                    cfg.num_server_rounds, quiet=quiet)
+                                    cfg.num_server_rounds, quiet=quiet,
+                                    rows=resume.rows if resume is not None else None)
         self._round_start = time.perf_counter()
 
     def evaluate_global(self, arrays: ArrayRecord) -> tuple[float, float]:
@@ -162,17 +171,37 @@ class Experiment:
         }
         self._round_start = now
         self.recorder.log_round(row)
+        if self.cfg.checkpoint_every and server_round % self.cfg.checkpoint_every == 0:
+            self.save_checkpoint(server_round, arrays)
         return None if accg is None else MetricRecord({"accg": accg, "loss": loss})
 
+    def save_checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Everything the run needs to continue after ``server_round`` (fedaccel.checkpoint)."""
+        trees, server_arrays = carried_state(self.strategy)
+        path = write_checkpoint(self.run_dir, Checkpoint(
+            round=server_round, run_config=dict(self.cfg.raw), num_clients=self.federation.num_clients,
+            model=arrays, server_state=trees, server_arrays=server_arrays, rows=list(self.recorder.rows),
+            clients=self.client_store.client_state_files() if self.client_store is not None else None))
+        log(INFO, "[fedaccel] checkpoint after round %s: %s", server_round, path)
+
     def run(self, grid: Grid) -> dict:
-        """Train for ``num-server-rounds`` and write every results file."""
-        initial = self.strategy.initial_model(state_to_arrays(self.model))
+        """Train for ``num-server-rounds`` (from the checkpoint's next round
+        when resuming) and write every results file."""
+        if self.resume is not None:
+            initial, first_round = self.resume.model, self.resume.round + 1
+            restore_carried_state(self.strategy, self.resume)
+            if not self.quiet:
+                print(f"[fedaccel] resuming after round {self.resume.round} of "
+                      f"{self.cfg.num_server_rounds} from its checkpoint", flush=True)
+        else:
+            initial, first_round = self.strategy.initial_model(state_to_arrays(self.model)), 1
         result = self.strategy.start(
             grid=grid,
             initial_arrays=initial,
             num_rounds=self.cfg.num_server_rounds,
             timeout=self.cfg.round_timeout,
             evaluate_fn=self.on_round_end,
+            first_round=first_round,
         )
         self.strategy.client_errors.report_repeats()  # after the last round, evaluated or not
         final = result.arrays if len(result.arrays) else initial
@@ -180,20 +209,63 @@ class Experiment:
         return self.recorder.finish(extra_files=("final_model.npz",))  # prints the results folder last
 
 
+class ClientStore(Protocol):
+    """Every client's state, readable by the server: the fast runner's grid
+    (:class:`fedaccel.local_grid.LocalGrid`); Flower's grids have none."""
+
+    def client_state_files(self) -> dict[str, bytes]: ...
+
+    def restore_client_state_files(self, files: dict[str, bytes]) -> None: ...
+
+
+STATEFUL_ON_FLOWER = (
+    "keeps state on its clients, which Flower's engines hold where the server cannot save it; "
+    "checkpoint and resume it with the fast runner (fedaccel-run), or use checkpoint-every=0")
+
+
+def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | None) -> Checkpoint:
+    """The checkpoint ``resume`` names, checked against this run: the same run
+    config (but where results go and how often to checkpoint), and every
+    client's state when the algorithm's clients keep state."""
+    ckpt = read_checkpoint(find_checkpoint(cfg.resume))
+    mismatch = config_mismatch(ckpt.run_config, run_config)
+    if mismatch:
+        shown = "; ".join(mismatch[:4]) + (f"; and {len(mismatch) - 4} more" if len(mismatch) > 4 else "")
+        raise config_error("resume", cfg.resume, f"its checkpoint was written with another run config ({shown}); "
+                           "resume with the checkpoint's own config: fedaccel-run --resume RUN_DIR reads it, "
+                           "flwr run takes it as --run-config RUN_DIR/checkpoints/resume.toml")
+    if cfg.stateful_clients and (client_store is None or ckpt.clients is None):
+        raise config_error("resume", cfg.resume, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
+    return ckpt
+
+
 def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     """Parse config, discover clients, run; returns the run's results folder.
 
     ``quiet`` silences the per-round lines (the results line is printed anyway).
+    With ``resume``, the run continues from its checkpoint, in its own folder.
     """
     cfg = parse_run_config(run_config)
     if cfg.cohort_batching == "on" and not getattr(grid, "trains_cohorts", False):
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
                            "Flower's engines train one client per node: use 'auto' or 'off'")
-    run_dir = writable_run_dir(cfg)  # a results folder that cannot be written fails now, not at the end
+    client_store: ClientStore | None = getattr(grid, "client_store", None)
+    if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
+        raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
+    resume = load_resume(cfg, run_config, client_store) if cfg.resume else None
+    # a results folder that cannot be written fails now, not at the end
+    run_dir = writable_run_dir(cfg, run_dir_of(resume.path) if resume is not None else None)
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     federation = discover_federation(grid, timeout=cfg.round_timeout)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
+    if resume is not None and resume.num_clients != federation.num_clients:
+        raise CheckpointError(f"resume={cfg.resume!r}: the checkpoint is of a run with {resume.num_clients} "
+                              f"clients, this federation has {federation.num_clients}; resume it with "
+                              f"{resume.num_clients} (fast runner: --resume sets it)")
     require_memory(cfg, federation.num_clients, client_contexts=False)  # the server's data
-    experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir)
+    if resume is not None and resume.clients is not None and client_store is not None:
+        client_store.restore_client_state_files(resume.clients)
+    experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir, resume=resume,
+                            client_store=client_store)
     experiment.run(grid)
     return experiment.run_dir

@@ -16,10 +16,12 @@ every other message goes to the ClientApp one by one.
 from __future__ import annotations
 
 import secrets
+import shutil
 import traceback
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, MessageType, RecordDict
@@ -29,6 +31,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
+from fedaccel.clients.state import state_run_dir
 from fedaccel.torch_utils import derive_seed
 
 CLIENT_APP_RAISED_EXCEPTION = ErrorCode.CLIENT_APP_RAISED_EXCEPTION  # 2, as Flower's engines reply
@@ -66,6 +70,7 @@ class LocalGrid(Grid):
         # is keyed by it, so two runs never share state.
         run_id = run_id if run_id is not None else secrets.randbits(62) + 1
         self.client_app = client_app
+        self.run_config = dict(run_config)
         self.cohort_trainer = cohort_trainer
         self._run = Run.create_empty(run_id)
         self._pending: dict[str, Message] = {}
@@ -110,6 +115,44 @@ class LocalGrid(Grid):
             self._pending[message_id] = message
             ids.append(message_id)
         return ids
+
+    # ------------------------------------------------ clients' state (checkpoints)
+    @property
+    def client_store(self) -> "LocalGrid":
+        """This grid holds every client's state where the server can save it
+        (:class:`fedaccel.experiment.ClientStore`); Flower's grids do not."""
+        return self
+
+    def _disk_state_dir(self) -> Path:
+        return state_run_dir(str(self.run_config.get("state-dir", "")), self.run.run_id)
+
+    def client_state_files(self) -> dict[str, bytes]:
+        """Every client's state as files: ``context/<partition>.pb`` (its
+        ``context.state``, Flower's protobuf) and ``disk/<path>`` (the files
+        of ``client-state='disk'``, relative to this run's state folder)."""
+        files = {f"context/{c.node_config['partition-id']}.pb": record_dict_bytes(c.state)
+                 for c in self.contexts.values() if len(c.state)}
+        disk = self._disk_state_dir()
+        if disk.is_dir():
+            files.update((f"disk/{p.relative_to(disk).as_posix()}", p.read_bytes())
+                         for p in sorted(disk.rglob("*")) if p.is_file() and not p.name.startswith("."))
+        return files
+
+    def restore_client_state_files(self, files: dict[str, bytes]) -> None:
+        """Put back what :meth:`client_state_files` saved (replacing any state)."""
+        by_partition = {int(c.node_config["partition-id"]): c for c in self.contexts.values()}
+        disk = self._disk_state_dir()
+        shutil.rmtree(disk, ignore_errors=True)
+        for context in by_partition.values():
+            context.state = RecordDict()
+        for name, data in files.items():
+            kind, _, rest = name.partition("/")
+            if kind == "context":
+                by_partition[int(rest.removesuffix(".pb"))].state = record_dict_from_bytes(data)
+            elif kind == "disk":
+                target = disk / rest
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
 
     @property
     def trains_cohorts(self) -> bool:

@@ -205,6 +205,26 @@ def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer
     return announced_trainer
 
 
+def resume_config(where: str, overrides: dict[str, Any], num_clients: int | None) -> tuple[dict[str, Any], int]:
+    """The run config and client count of the run a checkpoint continues:
+    the checkpoint's own, with ``resume`` set; only keys that do not change
+    the numbers (:data:`fedaccel.checkpoint.UNCHECKED_KEYS`) may be overridden."""
+    from fedaccel.checkpoint import UNCHECKED_KEYS, find_checkpoint, read_manifest
+
+    path = find_checkpoint(where)
+    manifest = read_manifest(path)
+    changed = sorted(set(overrides) - UNCHECKED_KEYS)
+    if changed:
+        raise ConfigError(f"--resume continues the run with the config it started with; drop "
+                          f"{', '.join(changed)} (only {', '.join(sorted(UNCHECKED_KEYS - {'resume'}))} "
+                          "may change), or start a new run")
+    if num_clients is not None and num_clients != manifest["num-clients"]:
+        raise ConfigError(f"--resume: the run has {manifest['num-clients']} clients; drop "
+                          f"--num-clients {num_clients}")
+    run_config = {**manifest["run-config"], **overrides, "resume": str(path)}
+    return fuse(default_run_config(), run_config), manifest["num-clients"]
+
+
 EXIT_CODES_HELP = """exit codes:
   0  the run finished; its results folder is printed last
   1  a bug in fedaccel (a traceback; please report it)
@@ -227,8 +247,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="run-config overrides, e.g. algo='fedprox' fedprox.mu=0.1")
     parser.add_argument("--run-config", help="overrides as one string, exactly as for flwr run")
     parser.add_argument("--config", help="a YAML file of run-config keys (nested tables allowed; configs/ has examples)")
-    parser.add_argument("--num-clients", type=int, default=DEFAULT_NUM_CLIENTS,
+    parser.add_argument("--num-clients", type=int, default=None,
                         help=f"simulated clients (default {DEFAULT_NUM_CLIENTS}, as local-simulation)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a run from its newest checkpoint (a run folder), or from the "
+                             "checkpoint file given, with the run's own config (docs/checkpoints.md)")
     parser.add_argument("--list", action="store_true", help="list the algorithms and exit")
     parser.add_argument("--quiet", action="store_true",
                         help="no per-round progress lines (the results folder is still printed)")
@@ -241,14 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         for name, summary in describe():
             print(f"{name:12s} {summary}")
         return 0
-    if args.num_clients < 1:
+    if args.num_clients is not None and args.num_clients < 1:
         parser.error("--num-clients must be >= 1")
 
     from fedaccel.errors import USER_ERRORS, exit_code
 
     try:
-        run_config = fuse(default_run_config(), parse_overrides(args.overrides, args.run_config, args.config))
-        run_local(run_config, num_clients=args.num_clients, quiet=args.quiet, verbose=args.verbose)
+        overrides = parse_overrides(args.overrides, args.run_config, args.config)
+        if args.resume:
+            run_config, num_clients = resume_config(args.resume, overrides, args.num_clients)
+        else:
+            run_config = fuse(default_run_config(), overrides)
+            num_clients = args.num_clients or DEFAULT_NUM_CLIENTS
+        run_local(run_config, num_clients=num_clients, quiet=args.quiet, verbose=args.verbose)
     except USER_ERRORS as err:  # one line, once, plain: the message says what to change
         print(f"fedaccel-run: error: {err}", file=sys.stderr)
         return exit_code(err)

@@ -311,6 +311,9 @@ class RunRecorder:
     quiet:
         If true, :meth:`log_round` prints nothing (:meth:`finish` still prints
         where the results are).
+    rows:
+        Rows already recorded (a run resumed from a checkpoint): written
+        first, replacing whatever ``metrics.jsonl`` held.
     """
 
     def __init__(
@@ -320,6 +323,7 @@ class RunRecorder:
         target_accuracy: float | None,
         num_rounds: int,
         quiet: bool = False,
+        rows: list[dict] | None = None,
     ) -> None:
         self.target_accuracy = _check_accuracy("target_accuracy", target_accuracy)
         self.run_dir = Path(run_dir)
@@ -334,6 +338,10 @@ class RunRecorder:
             _dumps(self.config, sort_keys=True, indent=2) + "\n", encoding="utf-8"
         )
         self._metrics = open(self.run_dir / METRICS_FILE, "w", encoding="utf-8")
+        for row in rows or ():  # a resumed run: the rounds before its checkpoint, as they were
+            self._metrics.write(_dumps(row) + "\n")
+            self.rows.append(row)
+        self._metrics.flush()
 
     # -- context manager ---------------------------------------------------
     def __enter__(self) -> "RunRecorder":

@@ -229,6 +229,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         clip_norm=clip_norm,
         cohort_batching=_string(cfg, "cohort-batching", COHORT_BATCHING),
         cohort_chunk=_integer(cfg, "cohort-chunk", 0),
+        checkpoint_every=_integer(cfg, "checkpoint-every", 0),
+        resume=_string(cfg, "resume"),
         algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
@@ -241,5 +243,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
-    "clip-norm", "cohort-batching", "cohort-chunk",
+    "clip-norm", "cohort-batching", "cohort-chunk", "checkpoint-every", "resume",
 )

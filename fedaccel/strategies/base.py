@@ -48,7 +48,7 @@ grid whose ``get_node_ids()`` returns only the chosen nodes, with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import Any
 
@@ -56,6 +56,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 
 from fedaccel.clients.composition import server_update_transforms
 from fedaccel.arrays import from_numpy, records_of, to_numpy
@@ -85,6 +86,11 @@ class FedAccelStrategy:
     """
 
     messages = NO_EXTRAS
+    # Attributes that carry over from one round to the next and so go into a
+    # checkpoint (fedaccel.checkpoint); each subclass names its own (SCAFFOLD:
+    # ``("c",)``) and they are collected over the MRO. Per-round bookkeeping
+    # (``rounds``, ``global_arrays``) is rebuilt by every round and is not named.
+    carried_state: tuple[str, ...] = ("accepted_round",)
 
     def __init__(self, *, run_cfg: RunConfig, federation: Federation, **kwargs: Any) -> None:
         kwargs.setdefault("evaluate_metrics_aggr_fn", mean_client_accuracy)
@@ -194,6 +200,48 @@ class FedAccelStrategy:
         server uses it.
         """
         return aggregate
+
+    # ------------------------------------------------------------- rounds
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              first_round: int = 1) -> Result:
+        """Flower's ``Strategy.start``, or, with ``first_round > 1`` (a run
+        resumed from a checkpoint after round ``first_round - 1``, whose model
+        is ``initial_arrays``), the same round body for rounds
+        ``first_round..num_rounds`` and no evaluation of the initial model.
+
+        Written here because Flower's ``start`` always begins at round 1; the
+        body below is its loop, call for call (configure_train,
+        send_and_receive, aggregate_train, configure_evaluate, send_and_receive,
+        aggregate_evaluate, evaluate_fn), so a resumed run ends with the model
+        an uninterrupted one does (tests/test_checkpoint.py).
+        """
+        if first_round <= 1:
+            return super().start(grid, initial_arrays, num_rounds, timeout,  # type: ignore[misc]
+                                 train_config, evaluate_config, evaluate_fn)
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result, arrays = Result(), initial_arrays
+        for server_round in range(first_round, num_rounds + 1):
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            replies = grid.send_and_receive(
+                messages=self.configure_train(server_round, arrays, train_config, grid), timeout=timeout)
+            new_arrays, train_metrics = self.aggregate_train(server_round, replies)
+            if new_arrays is not None:
+                result.arrays = arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[server_round] = train_metrics
+            replies = grid.send_and_receive(
+                messages=self.configure_evaluate(server_round, arrays, evaluate_config, grid), timeout=timeout)
+            evaluate_metrics = self.aggregate_evaluate(server_round, replies)
+            if evaluate_metrics is not None:
+                result.evaluate_metrics_clientapp[server_round] = evaluate_metrics
+            if evaluate_fn:
+                server_metrics = evaluate_fn(server_round, arrays)
+                if server_metrics is not None:
+                    result.evaluate_metrics_serverapp[server_round] = server_metrics
+        return result
 
     # ------------------------------------------------------------ training
     def configure_train(

@@ -68,6 +68,8 @@ class DouglasRachfordParams:
 class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
     """``x <- x + (1/n) sum g_i`` over the replies of the round."""
 
+    carried_state = ("aggregated",)  # checkpointed (fedaccel.checkpoint)
+
     aggregated = False  # set on the instance by the first combine()
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -73,6 +73,8 @@ class FedACGParams:
 class FedACGStrategy(FedAccelStrategy, FedAvg):
     """Lookahead broadcast and momentum server update (Algorithm 1)."""
 
+    carried_state = ("momentum",)  # checkpointed (fedaccel.checkpoint); theta is the model sent
+
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
         super().__init__(run_cfg=run_cfg, federation=federation)
         self.params = run_cfg.algo_params

@@ -57,6 +57,8 @@ class FedAdamParams:
 class FedAdamStrategy(FedAccelStrategy, FedAvg):
     """The variant's mean of the replies, then the server Adam step."""
 
+    carried_state = ("adam",)  # checkpointed (fedaccel.checkpoint)
+
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
         super().__init__(run_cfg=run_cfg, federation=federation)
         self.params = run_cfg.algo_params

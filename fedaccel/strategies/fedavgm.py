@@ -42,6 +42,8 @@ class FedAvgMParams:
 class FedAvgMStrategy(FedAccelStrategy, FedAvg):
     """FedAvg's example-weighted mean, then server SGD with momentum."""
 
+    carried_state = ("velocity",)  # checkpointed (fedaccel.checkpoint)
+
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
         super().__init__(run_cfg=run_cfg, federation=federation)
         self.params = run_cfg.algo_params

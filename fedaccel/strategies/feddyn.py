@@ -59,6 +59,8 @@ def server_model(mean: T, h: T, alpha: float) -> T:
 class FedDynStrategy(FedAccelStrategy, FedAvg):
     """FedDyn's server: keeps ``h`` (float64) across rounds."""
 
+    carried_state = ("h",)  # checkpointed (fedaccel.checkpoint)
+
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
         super().__init__(run_cfg=run_cfg, federation=federation)
         self.alpha = float(run_cfg.algo_params.alpha)

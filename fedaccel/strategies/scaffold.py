@@ -61,6 +61,8 @@ def control_step(c: T, dc_sum: T, num_clients: int) -> T:
 class ScaffoldStrategy(FedAccelStrategy, FedAvg):
     """SCAFFOLD's server: model and control-variate steps."""
 
+    carried_state = ("c",)  # checkpointed (fedaccel.checkpoint)
+
     messages = ScaffoldSolver.messages  # c down, dc up
 
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:

@@ -1,0 +1,331 @@
+"""Checkpoints of a run: everything it needs to continue after a crash.
+
+``checkpoint-every = k`` writes ``<run dir>/checkpoints/round-<r>.zip`` after
+every k-th round; ``fedaccel-run --resume <run dir>`` (or the run-config key
+``resume``) continues from the newest one, and the run then ends with a final
+model bit-identical to a run that was never interrupted
+(``tests/test_checkpoint.py`` checks it for every algorithm).
+
+A checkpoint holds:
+
+- the global model after round r (the model round r+1 starts from), as
+  Flower's own ArrayRecord protobuf, so dtypes and bytes are exactly kept;
+- the strategy's state that carries over rounds (momenta, control variates,
+  Douglas-Rachford variables, which client replies were applied: each
+  strategy names its attributes in ``carried_state``), as arrays plus a JSON
+  description of how they nest;
+- the metrics rows of rounds 1..r (``metrics.jsonl`` is cut back to them);
+- in the fast runner, every client's state: the ``context.state`` of every
+  simulated node (Flower's RecordDict protobuf) and the files of
+  ``client-state='disk'``. Flower's engines keep client contexts where the
+  server cannot read them, so there a checkpoint holds the server's side
+  only, and algorithms whose clients keep state refuse to checkpoint there.
+
+Randomness needs no saved state: cohorts, stragglers and every client's
+batches are drawn from generators seeded by (seed, round, partition)
+(:func:`fedaccel.torch_utils.derive_seed`), never from a running stream.
+
+Files are written to a temporary name, flushed and renamed
+(:func:`fedaccel.clients.state.durable_replace`): a crash while writing leaves
+the previous checkpoint intact. The newest :data:`KEEP` are kept. A damaged
+file (the zip's CRC-32 of every member is checked) or one written for
+another run config is refused with one line saying what to do.
+
+Written here by hand: Flower has no checkpointing for Message-API
+strategies (``Strategy.start`` always runs rounds 1..N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tomli_w
+from flwr.app import ArrayRecord, RecordDict
+from flwr.common import serde
+from flwr.proto.recorddict_pb2 import ArrayRecord as ProtoArrayRecord, RecordDict as ProtoRecordDict
+
+from fedaccel.clients.state import durable_replace
+from fedaccel.errors import CheckpointError
+
+FORMAT = 1
+CHECKPOINT_DIR = "checkpoints"
+KEEP = 2  # the newest two: a resume can also start one checkpoint earlier
+# Keys that may differ between a checkpoint's run and the run that resumes it:
+# where results go and how often to checkpoint do not change the numbers.
+UNCHECKED_KEYS = frozenset({"resume", "results-dir", "run-name", "checkpoint-every", "round-timeout"})
+_NAME = re.compile(r"round-(\d+)\.zip$")
+
+
+@dataclass
+class Checkpoint:
+    """What a run needs to continue after ``round``."""
+
+    round: int
+    run_config: dict[str, Any]
+    num_clients: int
+    model: ArrayRecord
+    server_state: dict[str, Any]  # attribute -> encode_state() description
+    server_arrays: dict[str, np.ndarray]  # the arrays those descriptions name
+    rows: list[dict[str, Any]]
+    # client files (``context/<partition>.pb``, ``disk/<path>``), or None when
+    # the clients' state was not saved (Flower's engines: the server side only)
+    clients: dict[str, bytes] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None  # the file it was read from
+
+
+# ----------------------------------------------------------------- state codec
+def encode_state(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """A JSON-able description of ``value``; its arrays go into ``arrays``.
+
+    Handles what strategies keep: None, bool, int, float, str, NumPy arrays
+    and scalars (dtype kept), dicts (int or str keys), lists, tuples and
+    dataclass instances. Anything else is a bug in the strategy (TypeError).
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, np.generic):
+        return {"int": value} if isinstance(value, int) else {"float": float(value).hex()}
+    if isinstance(value, (np.ndarray, np.generic)):
+        key = f"a{len(arrays)}"
+        arrays[key] = np.asarray(value)
+        return {"array": key, "scalar": isinstance(value, np.generic)}
+    if isinstance(value, dict):
+        return {"dict": [[encode_state(k, arrays), encode_state(v, arrays)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {"tuple" if isinstance(value, tuple) else "list": [encode_state(v, arrays) for v in value]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"dataclass": {f.name: encode_state(getattr(value, f.name), arrays)
+                              for f in dataclasses.fields(value)}}
+    raise TypeError(f"cannot checkpoint a {type(value).__name__}; strategies keep NumPy arrays, "
+                    "numbers, strings, dicts, lists and dataclasses")
+
+
+def decode_state(tree: Any, arrays: dict[str, np.ndarray], like: Any = None) -> Any:
+    """The value :func:`encode_state` described; ``like`` (the attribute's
+    current value) gives a dataclass its type."""
+    if tree is None or isinstance(tree, (bool, str)):
+        return tree
+    kind = next((k for k in _KINDS if k in tree), None) if isinstance(tree, dict) else None
+    if kind is None:
+        raise CheckpointError(f"unreadable value {tree!r} in the checkpoint's server state")
+    body = tree[kind]
+    if kind == "int":
+        return int(body)
+    if kind == "float":
+        return float.fromhex(body)
+    if kind == "array":
+        array = arrays[body]
+        return array[()] if tree.get("scalar") else array
+    if kind == "dict":
+        return {decode_state(k, arrays): decode_state(v, arrays) for k, v in body}
+    if kind in ("list", "tuple"):
+        items = [decode_state(v, arrays) for v in body]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dataclass":
+        if like is None or not dataclasses.is_dataclass(like):
+            raise CheckpointError("the checkpoint's server state does not fit this version of fedaccel")
+        return type(like)(**{k: decode_state(v, arrays, getattr(like, k, None)) for k, v in body.items()})
+    raise AssertionError(kind)
+
+
+_KINDS = ("int", "float", "array", "dict", "list", "tuple", "dataclass")
+
+
+# ---------------------------------------------------------------- files
+def checkpoint_path(run_dir: Path, server_round: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"round-{server_round:05d}.zip"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoint files, oldest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.search(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def write_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
+    """Write ``ckpt`` atomically as ``checkpoints/round-<r>.zip``; keep the newest :data:`KEEP`."""
+    path = checkpoint_path(run_dir, ckpt.round)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format": FORMAT,
+        "round": ckpt.round,
+        "run-config": ckpt.run_config,
+        "num-clients": ckpt.num_clients,
+        "server-state": ckpt.server_state,
+        "rows": ckpt.rows,
+        "clients": ckpt.clients is not None,
+        **ckpt.extra,
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr("manifest.json", json.dumps(manifest, indent=1))
+        zf.writestr("model.pb", serde.array_record_to_proto(ckpt.model).SerializeToString())
+        zf.writestr("server-state.npz", _npz_bytes(ckpt.server_arrays))
+        for name, data in sorted((ckpt.clients or {}).items()):
+            zf.writestr(f"clients/{name}", data)
+    durable_replace(tmp, path)
+    write_resume_toml(run_dir, ckpt.run_config)
+    for old in list_checkpoints(run_dir)[:-KEEP]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+RESUME_TOML = "resume.toml"
+
+
+def write_resume_toml(run_dir: Path, run_config: dict[str, Any]) -> Path:
+    """``checkpoints/resume.toml``: the run's config plus ``resume``, for
+    ``flwr run . --run-config <it>`` (Flower reads a TOML file there)."""
+    path = Path(run_dir) / CHECKPOINT_DIR / RESUME_TOML
+    values = {**{k: v for k, v in run_config.items() if k != "resume"}, "resume": str(Path(run_dir).resolve())}
+    tmp = path.with_name(f".{RESUME_TOML}.tmp")
+    tmp.write_text("# flwr run . --run-config <this file>: continues the run from its newest checkpoint\n"
+                   + tomli_w.dumps(values), encoding="utf-8")
+    durable_replace(tmp, path)
+    return path
+
+
+def find_checkpoint(where: str | Path) -> Path:
+    """The checkpoint a resume starts from: ``where`` itself if it is a
+    checkpoint file, else the newest one in the run folder ``where``."""
+    where = Path(where).expanduser()
+    if where.is_file():
+        return where
+    if not where.is_dir():
+        raise CheckpointError(f"resume={str(where)!r}: no such run folder or checkpoint file")
+    found = list_checkpoints(where)
+    if not found:
+        raise CheckpointError(
+            f"resume={str(where)!r}: the run has no checkpoint (it ran without checkpoint-every, "
+            "or stopped before its first one); start it again with checkpoint-every=k")
+    return found[-1]
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Only the manifest of a checkpoint (round, run config, clients); the
+    whole file is checked when the run reads it (:func:`read_checkpoint`)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            manifest = json.loads(zf.read("manifest.json"))
+        return {"round": int(manifest["round"]), "run-config": dict(manifest["run-config"]),
+                "num-clients": int(manifest["num-clients"])}
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError) as err:
+        raise CheckpointError(f"checkpoint {path} is damaged or not a fedaccel checkpoint "
+                              f"({type(err).__name__}: {err})") from None
+
+
+def run_dir_of(path: Path) -> Path:
+    """The run folder a checkpoint file belongs to (the one holding ``checkpoints/``)."""
+    path = Path(path).resolve()
+    if path.parent.name != CHECKPOINT_DIR:
+        raise CheckpointError(f"resume={str(path)!r}: a checkpoint file must stay in its run's "
+                              f"{CHECKPOINT_DIR}/ folder (the run continues in that folder)")
+    return path.parent.parent
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read and check one checkpoint file; a damaged or foreign file is a :class:`CheckpointError`."""
+    previous = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name] if path.parent.name == CHECKPOINT_DIR else []
+    fallback = f"; resume from the previous one with resume='{previous[-1]}'" if previous else ""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()  # reads every member and checks its CRC-32
+            if bad is not None:
+                raise CheckpointError(f"checkpoint {path} is damaged ({bad} fails its checksum){fallback}")
+            manifest = json.loads(zf.read("manifest.json"))
+            if manifest.get("format") != FORMAT:
+                raise CheckpointError(
+                    f"checkpoint {path} has format {manifest.get('format')!r}; this fedaccel reads "
+                    f"format {FORMAT} (written by another fedaccel version)")
+            proto = ProtoArrayRecord()
+            proto.ParseFromString(zf.read("model.pb"))
+            model = serde.array_record_from_proto(proto)
+            with np.load(io.BytesIO(zf.read("server-state.npz"))) as data:
+                arrays = {k: data[k] for k in data.files}
+            clients = ({n.removeprefix("clients/"): zf.read(n) for n in zf.namelist() if n.startswith("clients/")}
+                       if manifest["clients"] else None)
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError) as err:
+        raise CheckpointError(f"checkpoint {path} is damaged or not a fedaccel checkpoint "
+                              f"({type(err).__name__}: {err}){fallback}") from None
+    return Checkpoint(
+        round=int(manifest["round"]),
+        run_config=dict(manifest["run-config"]),
+        num_clients=int(manifest["num-clients"]),
+        model=model,
+        server_state=dict(manifest["server-state"]),
+        server_arrays=arrays,
+        rows=list(manifest["rows"]),
+        clients=clients,
+        path=path,
+    )
+
+
+def carried_state(strategy: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The attributes of ``strategy`` named by ``carried_state`` in its
+    classes, encoded (:func:`encode_state`): descriptions and arrays."""
+    arrays: dict[str, np.ndarray] = {}
+    return {name: encode_state(getattr(strategy, name), arrays) for name in carried_names(strategy)}, arrays
+
+
+def carried_names(strategy: Any) -> list[str]:
+    names: list[str] = []
+    for cls in reversed(type(strategy).__mro__):
+        for name in vars(cls).get("carried_state", ()):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def restore_carried_state(strategy: Any, ckpt: Checkpoint) -> None:
+    """Set the strategy's carried attributes from a checkpoint's server state."""
+    expected = carried_names(strategy)
+    if sorted(ckpt.server_state) != sorted(expected):
+        raise CheckpointError(
+            f"the checkpoint's server state ({', '.join(sorted(ckpt.server_state)) or 'none'}) does not "
+            f"match {type(strategy).__name__}'s ({', '.join(sorted(expected)) or 'none'}): it was "
+            "written by another fedaccel version or for another algorithm")
+    for name in expected:
+        setattr(strategy, name, decode_state(ckpt.server_state[name], ckpt.server_arrays,
+                                             like=getattr(strategy, name)))
+
+
+def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """``key=given (checkpoint: saved)`` for every key (but :data:`UNCHECKED_KEYS`) that differs."""
+    out = []
+    for key in sorted((set(saved) | set(given)) - UNCHECKED_KEYS):
+        a, b = saved.get(key, "<absent>"), given.get(key, "<absent>")
+        if a != b or type(a) is not type(b):
+            out.append(f"{key}={b!r} (checkpoint: {a!r})")
+    return out
+
+
+# ------------------------------------------------------- fast runner clients
+def record_dict_bytes(record: RecordDict) -> bytes:
+    """A client's ``context.state`` as Flower's own protobuf bytes."""
+    return serde.recorddict_to_proto(record).SerializeToString()
+
+
+def record_dict_from_bytes(data: bytes) -> RecordDict:
+    proto = ProtoRecordDict()
+    proto.ParseFromString(data)
+    return serde.recorddict_from_proto(proto)
