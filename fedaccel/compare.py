@@ -55,7 +55,9 @@ from fedaccel.results import (
 __all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "RunInfo", "SEED_KEYS"]
 
 #: Config keys ignored when deciding whether runs differ only by seed.
-SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir"})
+SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir",
+                       # how a run was checkpointed and resumed does not change its numbers
+                       "checkpoint-every", "checkpoint_every", "resume"})
 
 PNG_NAME = "comparison.png"
 MD_NAME = "comparison.md"

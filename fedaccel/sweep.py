@@ -28,7 +28,9 @@ algorithm's hyperparameters: ``fedprox.mu`` can only vary with
   reported in one message.
 - **Resumable**: a cell whose folder holds ``summary.json`` is finished and
   is skipped when the same command runs again; an unfinished cell (killed
-  mid-run) starts again from round 1. ``<name>/plan.json`` records each
+  mid-run) goes on from its newest checkpoint when the study sets
+  ``checkpoint-every`` (fedaccel.checkpoint; local workers), else starts
+  again from round 1. ``<name>/plan.json`` records each
   cell's keys; a study file changed under a finished cell is refused (use
   another ``name``, or delete the cell's folder).
 - **In parallel**: ``--workers N`` processes (default: one per two cores;
@@ -64,6 +66,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from fedaccel.checkpoint import list_checkpoints
 from fedaccel.config import ConfigError
 from fedaccel.errors import ResultsDirError
 from flwr.common.config import flatten_dict
@@ -446,7 +449,9 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
         run_dir = cells_dir / config["run-name"]
         if finished(run_dir):
             continue
-        if run_dir.exists():  # killed mid-run: start it again
+        if list_checkpoints(run_dir) and not ray_address:  # killed mid-run: go on from its checkpoint
+            config = {**config, "resume": str(run_dir)}
+        elif run_dir.exists():  # killed before its first checkpoint: start it again
             shutil.rmtree(run_dir)
         todo.append(config)
     done_before = len(configs) - len(todo)

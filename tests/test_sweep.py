@@ -89,6 +89,26 @@ def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     assert (cells / "algo=fedavg,seed=1" / "summary.json").is_file()
 
 
+def test_a_killed_cell_goes_on_from_its_checkpoint(tmp_path) -> None:
+    import numpy as np
+
+    path = write_study(tmp_path, base={**TINY, "num-server-rounds": 3, "checkpoint-every": 1}, seeds=[0])
+    study, shared = load_study(path)
+    run_study(study, shared, workers=1, out=open("/dev/null", "w"))
+    cell = tmp_path / "out" / "s" / "cells" / "seed=0"
+    whole = dict(np.load(cell / "final_model.npz"))
+    # as if killed in round 3: its checkpoint and results never written
+    for name in ("checkpoints/round-00003.zip", "summary.json", "final_model.npz"):
+        (cell / name).unlink()
+    again = run_study(study, shared, workers=1, out=open("/dev/null", "w"))
+    assert (again["skipped"], again["ran"], again["failed"]) == (0, 1, {})
+    assert json.loads((cell / "config.json").read_text())["resume"] == str(cell)  # resumed, not rerun
+    resumed = dict(np.load(cell / "final_model.npz"))
+    assert all(np.array_equal(whole[k], resumed[k]) for k in whole)
+    rows = [json.loads(line)["round"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [1, 2, 3]
+
+
 @pytest.mark.slow  # a real run and a report: 4 s (the plan checks run quick on faked cells below)
 def test_a_finished_cell_is_skipped_and_a_study_changed_under_it_is_refused(tmp_path) -> None:
     path = write_study(tmp_path, seeds=[0], base={**TINY, "num-server-rounds": 1})
