@@ -41,7 +41,9 @@ import dataclasses
 import io
 import json
 import re
+import shutil
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,22 +184,25 @@ def write_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         for name, data in sorted((ckpt.clients or {}).items()):
             zf.writestr(f"clients/{name}", data)
     durable_replace(tmp, path)
-    write_resume_toml(run_dir, ckpt.run_config)
+    write_resume_toml(path.with_suffix(".toml"), ckpt.run_config, path)
+    write_resume_toml(path.parent / RESUME_TOML, ckpt.run_config, Path(run_dir))
     for old in list_checkpoints(run_dir)[:-KEEP]:
         old.unlink(missing_ok=True)
+        old.with_suffix(".toml").unlink(missing_ok=True)
     return path
 
 
 RESUME_TOML = "resume.toml"
 
 
-def write_resume_toml(run_dir: Path, run_config: dict[str, Any]) -> Path:
-    """``checkpoints/resume.toml``: the run's config plus ``resume``, for
-    ``flwr run . --run-config <it>`` (Flower reads a TOML file there)."""
-    path = Path(run_dir) / CHECKPOINT_DIR / RESUME_TOML
-    values = {**{k: v for k, v in run_config.items() if k != "resume"}, "resume": str(Path(run_dir).resolve())}
-    tmp = path.with_name(f".{RESUME_TOML}.tmp")
-    tmp.write_text("# flwr run . --run-config <this file>: continues the run from its newest checkpoint\n"
+def write_resume_toml(path: Path, run_config: dict[str, Any], resume: Path) -> Path:
+    """The run's config plus ``resume``, for ``flwr run . --run-config <path>``
+    (Flower takes a TOML file there, but not a file and key=value pairs
+    together): ``checkpoints/resume.toml`` resumes from the newest
+    checkpoint, ``checkpoints/round-<r>.toml`` from that one."""
+    values = {**{k: v for k, v in run_config.items() if k != "resume"}, "resume": str(Path(resume).resolve())}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("# flwr run . --run-config <this file>: continues the run from its checkpoint\n"
                    + tomli_w.dumps(values), encoding="utf-8")
     durable_replace(tmp, path)
     return path
@@ -317,6 +322,59 @@ def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
         if a != b or type(a) is not type(b):
             out.append(f"{key}={b!r} (checkpoint: {a!r})")
     return out
+
+
+# ------------------------------------------------------------ clients' state
+def disk_state_files(folder: Path) -> dict[str, bytes]:
+    """The files of ``client-state='disk'`` under one run's state folder, as
+    ``disk/<path>`` (temporary files of a write in progress left out)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {f"disk/{p.relative_to(folder).as_posix()}": p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+
+
+def restore_disk_state_files(folder: Path, files: dict[str, bytes]) -> None:
+    """Replace one run's state folder by the ``disk/`` files of a checkpoint."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for name, data in files.items():
+        kind, _, rest = name.partition("/")
+        if kind == "disk":
+            target = Path(folder) / rest
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+
+class SharedDiskClientStore:
+    """Clients' ``client-state='disk'`` files, read and written by the server
+    where it shares their filesystem: Flower's simulation on one machine, or
+    SuperNodes on the server's machine.
+
+    Before saving it checks that every client whose reply the server applied
+    (``applied()``) has its state there; if not (SuperNodes on other
+    machines), the checkpoint is refused rather than saved without them.
+    """
+
+    def __init__(self, folder: Path, applied: Callable[[], Iterable[int]] = tuple) -> None:
+        self.folder = Path(folder)
+        self.applied = applied
+
+    def client_state_files(self) -> dict[str, bytes]:
+        missing = sorted(p for p in self.applied() if not (self.folder / f"client-{p}" / "versions.json").is_file())
+        if missing:
+            raise CheckpointError(
+                f"cannot checkpoint the clients' state: the server does not see the state files of "
+                f"client(s) {', '.join(map(str, missing[:5]))} under {self.folder} (SuperNodes on other "
+                "machines keep theirs there); checkpoint this algorithm in Flower's simulation or the "
+                "fast runner, or use checkpoint-every=0")
+        return disk_state_files(self.folder)
+
+    def restore_client_state_files(self, files: dict[str, bytes]) -> None:
+        if any(name.startswith("context/") for name in files):
+            raise CheckpointError("the checkpoint holds clients' state kept in Flower contexts (a fast-runner "
+                                  "run with client-state='context'); resume it with fedaccel-run --resume")
+        restore_disk_state_files(self.folder, files)
 
 
 # ------------------------------------------------------- fast runner clients

@@ -19,8 +19,9 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedaccel.arrays import load_into
-from fedaccel.checkpoint import (Checkpoint, carried_state, config_mismatch, find_checkpoint,
+from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_state, config_mismatch, find_checkpoint,
                                  read_checkpoint, restore_carried_state, run_dir_of, write_checkpoint)
+from fedaccel.clients.state import state_run_dir
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import CheckpointError, FederationError, ResultsDirError
 from fedaccel.memory import require_memory
@@ -219,8 +220,9 @@ class ClientStore(Protocol):
 
 
 STATEFUL_ON_FLOWER = (
-    "keeps state on its clients, which Flower's engines hold where the server cannot save it; "
-    "checkpoint and resume it with the fast runner (fedaccel-run), or use checkpoint-every=0")
+    "keeps state on its clients, which Flower keeps in node contexts the server cannot save; "
+    "set client-state='disk' (in Flower's simulation the server then saves the clients' state "
+    "files), or checkpoint it with the fast runner (fedaccel-run)")
 
 
 def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | None) -> Checkpoint:
@@ -250,6 +252,10 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
                            "Flower's engines train one client per node: use 'auto' or 'off'")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
+    shared_disk = None
+    if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
+            and (cfg.checkpoint_every or cfg.resume)):
+        client_store = shared_disk = SharedDiskClientStore(state_run_dir(cfg.state_dir, grid.run.run_id))
     if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     resume = load_resume(cfg, run_config, client_store) if cfg.resume else None
@@ -267,5 +273,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
         client_store.restore_client_state_files(resume.clients)
     experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir, resume=resume,
                             client_store=client_store)
+    if shared_disk is not None:
+        shared_disk.applied = lambda: experiment.strategy.accepted_round
     experiment.run(grid)
     return experiment.run_dir

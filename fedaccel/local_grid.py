@@ -16,7 +16,6 @@ every other message goes to the ClientApp one by one.
 from __future__ import annotations
 
 import secrets
-import shutil
 import traceback
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +30,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
+from fedaccel.checkpoint import (disk_state_files, record_dict_bytes, record_dict_from_bytes,
+                                 restore_disk_state_files)
 from fedaccel.clients.state import state_run_dir
 from fedaccel.torch_utils import derive_seed
 
@@ -132,27 +132,19 @@ class LocalGrid(Grid):
         of ``client-state='disk'``, relative to this run's state folder)."""
         files = {f"context/{c.node_config['partition-id']}.pb": record_dict_bytes(c.state)
                  for c in self.contexts.values() if len(c.state)}
-        disk = self._disk_state_dir()
-        if disk.is_dir():
-            files.update((f"disk/{p.relative_to(disk).as_posix()}", p.read_bytes())
-                         for p in sorted(disk.rglob("*")) if p.is_file() and not p.name.startswith("."))
+        files.update(disk_state_files(self._disk_state_dir()))
         return files
 
     def restore_client_state_files(self, files: dict[str, bytes]) -> None:
         """Put back what :meth:`client_state_files` saved (replacing any state)."""
         by_partition = {int(c.node_config["partition-id"]): c for c in self.contexts.values()}
-        disk = self._disk_state_dir()
-        shutil.rmtree(disk, ignore_errors=True)
         for context in by_partition.values():
             context.state = RecordDict()
         for name, data in files.items():
-            kind, _, rest = name.partition("/")
-            if kind == "context":
-                by_partition[int(rest.removesuffix(".pb"))].state = record_dict_from_bytes(data)
-            elif kind == "disk":
-                target = disk / rest
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
+            if name.startswith("context/"):
+                by_partition[int(name.removeprefix("context/").removesuffix(".pb"))].state = \
+                    record_dict_from_bytes(data)
+        restore_disk_state_files(self._disk_state_dir(), files)
 
     @property
     def trains_cohorts(self) -> bool:

@@ -92,11 +92,10 @@ def kill_and_resume(tmp_path, monkeypatch, algo: str, **extra) -> None:
     assert rows_without_time(whole) == rows_without_time(resumed)
 
 
-QUICK = ("scaffold",)  # server and client state; the rest run in the slow tier
-
-
-@pytest.mark.parametrize("algo", [pytest.param(a, marks=() if a in QUICK else pytest.mark.slow)
-                                  for a in algorithm_names()])
+# ~1.5 s each: the slow tier; the quick tier kills and resumes FedCDR (server
+# and client state) in test_flower_engines_checkpoint_without_a_client_store
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", algorithm_names())
 def test_killed_and_resumed_run_is_bit_identical(tmp_path, monkeypatch, algo):
     kill_and_resume(tmp_path, monkeypatch, algo)
 
@@ -150,7 +149,13 @@ def test_write_keeps_the_newest_two_and_reads_back(tmp_path):
     ckpt = read_checkpoint(list_checkpoints(tmp_path)[-1])
     assert ckpt.round == 6 and ckpt.clients == {"context/0.pb": b"abc"}
     assert np.array_equal(ckpt.model["w"].numpy(), np.full(3, 6.0, dtype=np.float32))
-    assert (tmp_path / "checkpoints" / "resume.toml").read_text().count("resume = ") == 1
+    import tomli
+
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.toml")) == ["resume.toml", "round-00004.toml", "round-00006.toml"]
+    assert tomli.loads((folder / "resume.toml").read_text())["resume"] == str(tmp_path.resolve())
+    assert tomli.loads((folder / "round-00004.toml").read_text()) == {
+        "algo": "fedavg", "lr": 0.1, "resume": str(folder.resolve() / "round-00004.zip")}
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -243,9 +248,14 @@ def run_on_flower_like_grid(run_config: dict) -> Path:
         return run_experiment(view, run_config, quiet=True)
 
 
-def test_flower_engines_checkpoint_the_server_side_of_stateless_algorithms(tmp_path, monkeypatch):
-    whole = run_on_flower_like_grid(config(tmp_path, "fedacg", "whole", **{"num-server-rounds": 4}))
-    cut = config(tmp_path, "fedacg", "cut", **{"num-server-rounds": 4, "checkpoint-every": 2})
+@pytest.mark.parametrize("algo,extra", [
+    pytest.param("fedacg", {}, marks=pytest.mark.slow),  # server side only: the clients keep nothing
+    ("fedcdr", {"client-state": "disk"}),  # the clients' state files, read where they lie
+], ids=["fedacg", "fedcdr-disk"])
+def test_flower_engines_checkpoint_without_a_client_store(tmp_path, monkeypatch, algo, extra):
+    extra = {"num-server-rounds": 4, "state-dir": str(tmp_path / "state"), **extra}
+    whole = run_on_flower_like_grid(config(tmp_path, algo, "whole", **extra))
+    cut = config(tmp_path, algo, "cut", **{"checkpoint-every": 2, **extra})
     original = FedAccelStrategy.aggregate_train
 
     def dying(self, server_round, replies):
@@ -257,9 +267,20 @@ def test_flower_engines_checkpoint_the_server_side_of_stateless_algorithms(tmp_p
     with pytest.raises(Killed):
         run_on_flower_like_grid(cut)
     monkeypatch.undo()
-    assert read_checkpoint(list_checkpoints(tmp_path / "cut")[-1]).clients is None
+    saved = read_checkpoint(list_checkpoints(tmp_path / "cut")[-1]).clients
+    assert saved is None if algo == "fedacg" else (saved and all(n.startswith("disk/") for n in saved))
     resumed = run_on_flower_like_grid({**cut, "resume": str(tmp_path / "cut")})
     assert_bit_identical(final_model(whole), final_model(resumed))
+
+
+def test_clients_state_files_the_server_cannot_see_refuse_the_checkpoint(tmp_path):
+    from fedaccel.checkpoint import SharedDiskClientStore
+
+    store = SharedDiskClientStore(tmp_path / "run-1", applied=lambda: {3: 2, 5: 2})
+    with pytest.raises(CheckpointError, match="does not see the state files of client.s. 3, 5 under"):
+        store.client_state_files()
+    with pytest.raises(CheckpointError, match="resume it with fedaccel-run --resume"):
+        store.restore_client_state_files({"context/0.pb": b""})
 
 
 def test_flower_engines_refuse_to_checkpoint_stateful_clients(tmp_path):

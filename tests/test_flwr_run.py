@@ -148,3 +148,29 @@ def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, tmp_p
     run_id = re.search(r"run_id `(\d+)`|started run (\d+)", out)
     assert run_status(flwr_env, run_id.group(1) or run_id.group(2)) == "finished:failed"
     assert not (tmp_path / "fedprx").exists()
+
+
+@pytest.mark.engine_matrix
+def test_flwr_run_resumes_from_a_checkpoint_to_the_same_model(flwr_env, tmp_path):
+    """FedCDR (server and client state) in Flower's simulation, clients on
+    disk: resumed with its checkpoint's round-00002.toml from round 2, it ends
+    with the model of the run that went through (docs/checkpoints.md)."""
+    import numpy as np
+
+    config = overrides("fedcdr", tmp_path, **{"client-state": "disk", "state-dir": str(tmp_path / "state"),
+                                              "checkpoint-every": 2})
+    proc = flwr_run(flwr_env, config)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    run_dir = tmp_path / "fedcdr"
+    whole = dict(np.load(run_dir / "final_model.npz"))
+    whole_rows = [{k: v for k, v in r.items() if k != "seconds"} for r in rows(run_dir)]
+    (run_dir / "final_model.npz").unlink()
+    resumed = subprocess.run(
+        [flwr_bin(), "run", ".", "--run-config", str(run_dir / "checkpoints" / "round-00002.toml"),
+         "--federation-config", f"num-supernodes={NUM_CLIENTS}", "--stream"],
+        cwd=project_dir(), env=flwr_env, capture_output=True, text=True, timeout=300)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and "resuming after round 2 of 4" in out, out[-3000:]
+    after = dict(np.load(run_dir / "final_model.npz"))
+    assert all(np.array_equal(whole[k], after[k]) for k in whole)
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in rows(run_dir)] == whole_rows
