@@ -66,9 +66,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from fedaccel.checkpoint import list_checkpoints
+from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
-from fedaccel.errors import ResultsDirError
+from fedaccel.errors import CheckpointError, ResultsDirError
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -343,6 +343,18 @@ def finished(run_dir: Path) -> bool:
         return False
 
 
+def _resumable(run_dir: Path, config: dict[str, Any]) -> bool:
+    """Whether an unfinished cell has a checkpoint of this very cell (one
+    written under other settings, or unreadable, is run again from round 1)."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return False
+    try:
+        return not config_mismatch(read_manifest(found[-1])["run-config"], config)
+    except CheckpointError:
+        return False
+
+
 def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> tuple[str, float, str | None]:
     """One cell (in a worker process or in this one): (cell, seconds, error or None)."""
     import torch
@@ -449,7 +461,7 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
         run_dir = cells_dir / config["run-name"]
         if finished(run_dir):
             continue
-        if list_checkpoints(run_dir) and not ray_address:  # killed mid-run: go on from its checkpoint
+        if _resumable(run_dir, config) and not ray_address:  # killed mid-run: go on from its checkpoint
             config = {**config, "resume": str(run_dir)}
         elif run_dir.exists():  # killed before its first checkpoint: start it again
             shutil.rmtree(run_dir)

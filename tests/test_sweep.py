@@ -107,6 +107,13 @@ def test_a_killed_cell_goes_on_from_its_checkpoint(tmp_path) -> None:
     assert all(np.array_equal(whole[k], resumed[k]) for k in whole)
     rows = [json.loads(line)["round"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
     assert rows == [1, 2, 3]
+    # killed again, and the study changed meanwhile: its checkpoint is not this cell's any more
+    (cell / "summary.json").unlink()
+    path = write_study(tmp_path, base={**TINY, "num-server-rounds": 3, "checkpoint-every": 1, "lr": 0.02}, seeds=[0])
+    study, shared = load_study(path)
+    assert run_study(study, shared, workers=1, out=open("/dev/null", "w"))["failed"] == {}
+    config = json.loads((cell / "config.json").read_text())
+    assert config["lr"] == 0.02 and config["resume"] == ""  # run again from round 1
 
 
 @pytest.mark.slow  # a real run and a report: 4 s (the plan checks run quick on faked cells below)
