@@ -137,7 +137,8 @@ def _assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
 # What the seed draws, recorded in a run's resolved config: the partition
 # sizes and the test-set size (Synthetic's clients and a Dirichlet split
 # change with the seed). Not settings: runs differing in them still group.
-SEED_DRAWN = frozenset({"partition-sizes", "global-test-size"})
+SEED_DRAWN = frozenset({"partition-sizes", "global-test-size",
+                        "torch-threads"})  # the machine's, not a setting: recorded for reproducing
 
 
 def _group_key(config: dict) -> str:

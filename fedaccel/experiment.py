@@ -134,6 +134,9 @@ class Experiment:
             "cohort-size": self.strategy.cohort_size,
             "partition-sizes": dataset.partition_sizes(),
             "global-test-size": int(dataset.test_y.shape[0]),
+            # float sums are split across threads: the same seed gives the same
+            # bits with the same thread count (docs/measurements.md)
+            "torch-threads": torch.get_num_threads(),
         })
         self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
                                     cfg.num_server_rounds, quiet=quiet,
