@@ -44,7 +44,7 @@ import re
 import shutil
 import zipfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,6 @@ class Checkpoint:
     # client files (``context/<partition>.pb``, ``disk/<path>``), or None when
     # the clients' state was not saved (Flower's engines: the server side only)
     clients: dict[str, bytes] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None  # the file it was read from
 
 
@@ -174,7 +173,6 @@ def write_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "server-state": ckpt.server_state,
         "rows": ckpt.rows,
         "clients": ckpt.clients is not None,
-        **ckpt.extra,
     }
     tmp = path.with_name(f".{path.name}.tmp")
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
