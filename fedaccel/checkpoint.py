@@ -18,8 +18,10 @@ A checkpoint holds:
 - in the fast runner, every client's state: the ``context.state`` of every
   simulated node (Flower's RecordDict protobuf) and the files of
   ``client-state='disk'``. Flower's engines keep client contexts where the
-  server cannot read them, so there a checkpoint holds the server's side
-  only, and algorithms whose clients keep state refuse to checkpoint there.
+  server cannot read them: there a checkpoint holds the server's side, plus
+  the clients' ``client-state='disk'`` files where the server sees them
+  (:class:`SharedDiskClientStore`); stateful algorithms without them refuse
+  to checkpoint.
 
 Randomness needs no saved state: cohorts, stragglers and every client's
 batches are drawn from generators seeded by (seed, round, partition)
@@ -231,8 +233,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return {"round": int(manifest["round"]), "run-config": dict(manifest["run-config"]),
                 "num-clients": int(manifest["num-clients"])}
     except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError) as err:
-        raise CheckpointError(f"checkpoint {path} is damaged or not a fedaccel checkpoint "
-                              f"({type(err).__name__}: {err})") from None
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: BaseException, fallback: str = "") -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged or not a fedaccel checkpoint "
+                           f"({type(err).__name__}: {err}){fallback}")
 
 
 def run_dir_of(path: Path) -> Path:
@@ -268,8 +274,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, OSError) as err:
-        raise CheckpointError(f"checkpoint {path} is damaged or not a fedaccel checkpoint "
-                              f"({type(err).__name__}: {err}){fallback}") from None
+        raise _unreadable(path, err, fallback) from None
     return Checkpoint(
         round=int(manifest["round"]),
         run_config=dict(manifest["run-config"]),
