@@ -52,7 +52,8 @@ from fedaccel.results import (
     summarize,
 )
 
-__all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "RunInfo", "SEED_KEYS"]
+__all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "assign_run_labels", "runs_table",
+           "groups_table", "target_note", "RunInfo", "SEED_KEYS"]
 
 #: Config keys ignored when deciding whether runs differ only by seed.
 SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir",
@@ -127,7 +128,7 @@ def _label_base(config: dict, label_key: str | None) -> str:
     return str(config.get("algo", "?"))
 
 
-def _assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
+def assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
     """Label = algo (or config[label_key]); add the run dir name where labels repeat."""
     bases = [_label_base(r.config, label_key) for r in runs]
     for r, base in zip(runs, bases):
@@ -206,7 +207,9 @@ def _md_table(header: list[str], rows: list[list[str]], align_right_from: int = 
     return "\n".join(lines)
 
 
-def _runs_table(runs: list[RunInfo]) -> str:
+def runs_table(runs: list[RunInfo]) -> tuple[list[str], list[list[str]]]:
+    """The per-run table (header, rows of strings): fedaccel-compare's
+    Markdown and the dashboard's compare page show exactly these cells."""
     header = ["run", "algo", "final (%)", "best (%)", "mean of last 20 (%)", "rounds to target", "total MB"]
     body = []
     for r in runs:
@@ -221,10 +224,11 @@ def _runs_table(runs: list[RunInfo]) -> str:
             "-" if rtt is None else str(rtt),
             f"{s['total_mb']:.2f}",
         ])
-    return _md_table(header, body)
+    return header, body
 
 
-def _groups_table(groups: list[Group]) -> str:
+def groups_table(groups: list[Group]) -> tuple[list[str], list[list[str]]]:
+    """The per-group table (mean ± std over seeds), as :func:`runs_table`."""
     header = [
         "group", "algo", "seeds", "final (%)", "best (%)", "mean of last 20 (%)",
         "rounds to target (reached)", "total MB",
@@ -247,10 +251,10 @@ def _groups_table(groups: list[Group]) -> str:
             rtt,
             f"{mb_m:.2f} ± {mb_s:.2f}",
         ])
-    return _md_table(header, body)
+    return header, body
 
 
-def _target_note(runs: list[RunInfo], override: float | None) -> str:
+def target_note(runs: list[RunInfo], override: float | None) -> str:
     if override is not None:
         return f"Target accuracy: {100 * override:.2f}% (set with --target)."
     targets = {r.name: r.summary["target_accuracy"] for r in runs}
@@ -351,17 +355,17 @@ def compare_runs(
     out = Path(out_dir)
     run_dirs = [d for d in run_dirs if not _is_compare_output(Path(d), out)]
     runs = load_runs(run_dirs, target)
-    _assign_run_labels(runs, label_key)
+    assign_run_labels(runs, label_key)
     out.mkdir(parents=True, exist_ok=True)
 
     parts = ["# fedaccel comparison", ""]
     if group_seeds:
         groups = group_by_seed(runs, label_key)
-        parts += ["## Grouped over seeds (mean ± std)", "", _groups_table(groups), "", "## Runs", ""]
+        parts += ["## Grouped over seeds (mean ± std)", "", _md_table(*groups_table(groups)), "", "## Runs", ""]
         _plot_groups(groups, out / PNG_NAME)
     else:
         _plot_runs(runs, out / PNG_NAME)
-    parts += [_runs_table(runs), "", _target_note(runs, target), "", f"![comparison]({PNG_NAME})", ""]
+    parts += [_md_table(*runs_table(runs)), "", target_note(runs, target), "", f"![comparison]({PNG_NAME})", ""]
     md = "\n".join(parts)
     (out / MD_NAME).write_text(md, encoding="utf-8")
     return md

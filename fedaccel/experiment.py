@@ -23,7 +23,7 @@ from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_stat
                                  read_checkpoint, restore_carried_state, run_dir_of, write_checkpoint)
 from fedaccel.clients.state import state_run_dir
 from fedaccel.config import RunConfig, config_error
-from fedaccel.errors import CheckpointError, FederationError, ResultsDirError
+from fedaccel.errors import USER_ERRORS, CheckpointError, FederationError, ResultsDirError
 from fedaccel.memory import require_memory
 from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
@@ -113,7 +113,8 @@ class Experiment:
 
     def __init__(self, cfg: RunConfig, federation: Federation, quiet: bool = False,
                  run_dir: Path | None = None, resume: Checkpoint | None = None,
-                 client_store: ClientStore | None = None) -> None:
+                 client_store: ClientStore | None = None, engine: str = "fast",
+                 run_id: int | None = None) -> None:
         self.cfg = cfg
         self.quiet = quiet
         self.resume = resume
@@ -140,7 +141,8 @@ class Experiment:
         })
         self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
                                     cfg.num_server_rounds, quiet=quiet,
-                                    rows=resume.rows if resume is not None else None)
+                                    rows=resume.rows if resume is not None else None,
+                                    engine=engine, run_id=run_id)
         self._round_start = time.perf_counter()
 
     def evaluate_global(self, arrays: ArrayRecord) -> tuple[float, float]:
@@ -190,7 +192,19 @@ class Experiment:
 
     def run(self, grid: Grid) -> dict:
         """Train for ``num-server-rounds`` (from the checkpoint's next round
-        when resuming) and write every results file."""
+        when resuming) and write every results file; a run that ends early
+        says so in ``status.json`` (``stopped`` on Ctrl-C, else ``failed``
+        with its one-line error)."""
+        try:
+            return self._run(grid)
+        except KeyboardInterrupt:
+            self.recorder.fail("stopped by the user (interrupt)", state="stopped")
+            raise
+        except BaseException as err:
+            self.recorder.fail(str(err) if isinstance(err, USER_ERRORS) else f"{type(err).__name__}: {err}")
+            raise
+
+    def _run(self, grid: Grid) -> dict:
         if self.resume is not None:
             initial, first_round = self.resume.model, self.resume.round + 1
             restore_carried_state(self.strategy, self.resume)
@@ -255,6 +269,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
                            "Flower's engines train one client per node: use 'auto' or 'off'")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
+    engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
     shared_disk = None
     if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
             and (cfg.checkpoint_every or cfg.resume)):
@@ -275,7 +290,8 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     if resume is not None and resume.clients is not None and client_store is not None:
         client_store.restore_client_state_files(resume.clients)
     experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir, resume=resume,
-                            client_store=client_store)
+                            client_store=client_store,
+                            engine=engine, run_id=run_id)
     if shared_disk is not None:
         shared_disk.applied = lambda: experiment.strategy.accepted_round
     experiment.run(grid)

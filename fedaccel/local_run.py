@@ -234,6 +234,7 @@ EXIT_CODES_HELP = """exit codes:
      a results folder that cannot be written, too few samples or clients,
      not enough memory: estimated before anything is built)
   4  the run started and failed (every client of a round failed)
+  130 stopped by Ctrl-C (SIGINT) or the dashboard's stop button
 """
 
 
@@ -280,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:  # one line, once, plain: the message says what to change
         print(f"fedaccel-run: error: {err}", file=sys.stderr)
         return exit_code(err)
+    except KeyboardInterrupt:  # Ctrl-C, or the dashboard's stop button (SIGINT)
+        print("fedaccel-run: stopped; the rounds finished so far are in the run folder "
+              "(status.json says 'stopped')", file=sys.stderr)
+        return 130
     return 0
 
 

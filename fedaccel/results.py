@@ -15,6 +15,14 @@ A run writes four files into ``results/<run-name>/``:
     The dict returned by :func:`summarize`, written by :meth:`RunRecorder.finish`.
 ``curves.png``
     Accuracy vs round and accuracy vs cumulative MB, see :func:`plot_curves`.
+``status.json``
+    Where the run stands, for whoever watches it (``fedaccel-dashboard``):
+    ``state`` (``running``, ``finished``, ``failed``, ``stopped``), ``round``
+    of ``num_rounds``, the writing process's ``pid`` and ``host``, ``engine``
+    and Flower's ``run_id``, ``started``/``updated`` (Unix time) and the
+    one-line ``error`` of a failed run. Replaced atomically as each round ends.
+    A run whose process died without a word (SIGKILL, power loss) stays
+    ``running`` here; a reader on the same host tells it by the dead ``pid``.
 
 Accuracies are always *fractions* in ``[0, 1]``; a value such as ``87.5``
 (a percentage by mistake) is rejected with :class:`ValueError`.
@@ -29,7 +37,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -39,6 +50,7 @@ __all__ = [
     "summarize",
     "plot_curves",
     "load_run",
+    "load_status",
     "cumulative_mb",
 ]
 
@@ -57,6 +69,10 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CURVES_FILE = "curves.png"
+STATUS_FILE = "status.json"
+
+#: the values of ``status.json``'s ``state``
+RUN_STATES = ("running", "finished", "failed", "stopped")
 
 _EMA_FACTOR = 0.9
 _LAST_N = 20
@@ -279,6 +295,25 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
     fig.savefig(path, dpi=110)
 
 
+def progress_line(row: dict, num_rounds: int) -> str:
+    """The one-line progress message of a (normalised) row, as runs print it."""
+    width = len(str(num_rounds))
+    parts = [f"[fedaccel] round {row['round']:>{width}}/{num_rounds}"]
+    if row.get("accg") is not None:
+        parts.append(f"accg {row['accg']:.4f}")
+    if row.get("loss") is not None:
+        parts.append(f"loss {row['loss']:.4f}")
+    if row.get("accl") is not None:
+        parts.append(f"accl {row['accl']:.4f}")
+    if row.get("bytes_up") is not None:
+        parts.append(f"up {_fmt_mb(row['bytes_up'])}")
+    if row.get("bytes_down") is not None:
+        parts.append(f"down {_fmt_mb(row['bytes_down'])}")
+    if row.get("seconds") is not None:
+        parts.append(f"{row['seconds']:.2f} s")
+    return "  ".join(parts)
+
+
 # --------------------------------------------------------------------------- #
 # recorder
 # --------------------------------------------------------------------------- #
@@ -314,6 +349,9 @@ class RunRecorder:
     rows:
         Rows already recorded (a run resumed from a checkpoint): written
         first, replacing whatever ``metrics.jsonl`` held.
+    engine, run_id:
+        What runs it (``fast`` runner or ``flower``) and the engine's run id
+        (``flwr stop RUN_ID`` stops a Flower run), written to ``status.json``.
     """
 
     def __init__(
@@ -324,6 +362,8 @@ class RunRecorder:
         num_rounds: int,
         quiet: bool = False,
         rows: list[dict] | None = None,
+        engine: str = "fast",
+        run_id: int | None = None,
     ) -> None:
         self.target_accuracy = _check_accuracy("target_accuracy", target_accuracy)
         self.run_dir = Path(run_dir)
@@ -342,6 +382,26 @@ class RunRecorder:
             self._metrics.write(_dumps(row) + "\n")
             self.rows.append(row)
         self._metrics.flush()
+        self._status = {"state": "running", "round": len(self.rows), "num_rounds": self.num_rounds,
+                        "pid": os.getpid(), "host": socket.gethostname(), "engine": engine,
+                        "run_id": run_id, "started": time.time(), "updated": time.time(), "error": None}
+        self._write_status()
+
+    def _write_status(self, **changes: Any) -> None:
+        """Replace ``status.json`` atomically (a reader never sees half of it)."""
+        self._status.update(changes, updated=time.time())
+        tmp = self.run_dir / f".{STATUS_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(_dumps(self._status, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.run_dir / STATUS_FILE)
+
+    def fail(self, error: str, state: str = "failed") -> None:
+        """Record that the run ended early (``failed`` with its one-line
+        ``error``, or ``stopped`` by the user) and close ``metrics.jsonl``."""
+        if state not in RUN_STATES[2:]:
+            raise ValueError(f"state must be one of {RUN_STATES[2:]}, got {state!r}")
+        self.close()
+        if self._status["state"] == "running":
+            self._write_status(state=state, error=error or None)
 
     # -- context manager ---------------------------------------------------
     def __enter__(self) -> "RunRecorder":
@@ -382,21 +442,7 @@ class RunRecorder:
 
     def progress_line(self, row: dict) -> str:
         """The one-line progress message for a (normalised) row."""
-        width = len(str(self.num_rounds))
-        parts = [f"[fedaccel] round {row['round']:>{width}}/{self.num_rounds}"]
-        if row.get("accg") is not None:
-            parts.append(f"accg {row['accg']:.4f}")
-        if row.get("loss") is not None:
-            parts.append(f"loss {row['loss']:.4f}")
-        if row.get("accl") is not None:
-            parts.append(f"accl {row['accl']:.4f}")
-        if row.get("bytes_up") is not None:
-            parts.append(f"up {_fmt_mb(row['bytes_up'])}")
-        if row.get("bytes_down") is not None:
-            parts.append(f"down {_fmt_mb(row['bytes_down'])}")
-        if row.get("seconds") is not None:
-            parts.append(f"{row['seconds']:.2f} s")
-        return "  ".join(parts)
+        return progress_line(row, self.num_rounds)
 
     def log_round(self, row: dict) -> None:
         """Validate, append one line to ``metrics.jsonl`` (flushed) and print progress.
@@ -414,6 +460,7 @@ class RunRecorder:
         self._metrics.write(_dumps(clean) + "\n")
         self._metrics.flush()
         self.rows.append(clean)
+        self._write_status(round=clean["round"])
         if not self.quiet:
             print(self.progress_line(clean), flush=True)
 
@@ -433,6 +480,7 @@ class RunRecorder:
         name = self.config.get("algo") or self.run_dir.name
         plot_curves(self.rows, self.run_dir / CURVES_FILE, title=f"{name} ({self.run_dir.name})")
         self.summary = summary
+        self._write_status(state="finished")
         # printed even when quiet: the one line that says where everything went
         files = ", ".join((METRICS_FILE, SUMMARY_FILE, CURVES_FILE, CONFIG_FILE) + tuple(extra_files))
         print(f"[fedaccel] results written to {self.run_dir.resolve()} ({files})", flush=True)
@@ -478,6 +526,16 @@ def load_rows(path: str | Path) -> list[dict]:
                 )
             rows.append(row)
     return rows
+
+
+def load_status(run_dir: str | Path) -> dict | None:
+    """``status.json`` of a run, or None when it has none (a run recorded
+    before it existed) or it cannot be read."""
+    try:
+        status = json.loads((Path(run_dir) / STATUS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
 
 
 def load_run(run_dir: str | Path, require_summary: bool = True) -> tuple[dict, list[dict], dict]:

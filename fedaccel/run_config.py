@@ -27,6 +27,24 @@ from fedaccel.samplers import SAMPLERS
 from fedaccel.models import MODELS
 
 
+#: The allowed values of every shared string key that has a fixed set: what
+#: the validation below checks and what a form (fedaccel-dashboard) offers.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dataset": tuple(DATASETS),
+    "model": ("auto",) + tuple(MODELS),
+    "partition": tuple(PARTITIONS),
+    "device": DEVICES,
+    "sampler": SAMPLERS,
+    "lr-schedule": ("constant", "step"),
+    "straggler-policy": ("auto", "drop", "partial"),
+    "client-state": CLIENT_STATES,
+    "cohort-batching": COHORT_BATCHING,
+    "gc.mode": GC_MODES,
+    "gc.vectors": VECTOR_RULES,
+    "gc.weight-decay": WEIGHT_DECAY_RULES,
+}
+
+
 def _number(cfg: Mapping[str, Any], key: str) -> float:
     value = cfg[key]
     require(
@@ -131,9 +149,9 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
             "must be a fraction in [0, 1] (e.g. 0.8 for 80%)")
     ltf = _number(cfg, "local-test-fraction")
     require(0 <= ltf < 1, "local-test-fraction", cfg["local-test-fraction"], "must be in [0, 1)")
-    model = _string(cfg, "model", ("auto",) + tuple(MODELS))
-    dataset = _string(cfg, "dataset", tuple(DATASETS))
-    partition = _string(cfg, "partition", tuple(PARTITIONS))
+    model = _string(cfg, "model", CHOICES["model"])
+    dataset = _string(cfg, "dataset", CHOICES["dataset"])
+    partition = _string(cfg, "partition", CHOICES["partition"])
     run_name = _string(cfg, "run-name")
     train_samples = _integer(cfg, "train-samples", 0) if "train-samples" in cfg else 0
     require(dataset != "synthetic" or train_samples == 0, "train-samples", train_samples,
@@ -161,15 +179,15 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
             "must be in [0, 1): the share of each cohort that does fewer local epochs")
 
 
-    gc_mode = _string(cfg, "gc.mode", GC_MODES) if "gc.mode" in cfg else "auto"
+    gc_mode = _string(cfg, "gc.mode", CHOICES["gc.mode"]) if "gc.mode" in cfg else "auto"
     gc_default = GCConfig()  # the gc.* defaults when a key is absent (pyproject equal: tests/test_defaults.py)
     gc = GCConfig(
         mode=getattr(spec.params, "default_gc_mode", "none") if gc_mode == "auto" else gc_mode,
         lam=_number(cfg, "gc.lambda") if "gc.lambda" in cfg else gc_default.lam,
         global_layers=(_string(cfg, "gc.global-layers") if "gc.global-layers" in cfg
                        else gc_default.global_layers),
-        vectors=_string(cfg, "gc.vectors", VECTOR_RULES) if "gc.vectors" in cfg else gc_default.vectors,
-        weight_decay=(_string(cfg, "gc.weight-decay", WEIGHT_DECAY_RULES)
+        vectors=_string(cfg, "gc.vectors", CHOICES["gc.vectors"]) if "gc.vectors" in cfg else gc_default.vectors,
+        weight_decay=(_string(cfg, "gc.weight-decay", CHOICES["gc.weight-decay"])
                       if "gc.weight-decay" in cfg else gc_default.weight_decay),
     )
     require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
@@ -191,8 +209,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
                 "(the algorithm's default: 1.0 for fedpm/localnewton, 0 otherwise)")
         clip_norm = float(clip_norm)
 
-    sampler = _string(cfg, "sampler", SAMPLERS)
-    straggler_policy = _string(cfg, "straggler-policy", ("auto", "drop", "partial"))
+    sampler = _string(cfg, "sampler", CHOICES["sampler"])
+    straggler_policy = _string(cfg, "straggler-policy", CHOICES["straggler-policy"])
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -215,19 +233,19 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         accl_every=_integer(cfg, "accl-every", 0),
         local_test_fraction=ltf,
         data_dir=_string(cfg, "data-dir"),
-        device=_string(cfg, "device", DEVICES),
+        device=_string(cfg, "device", CHOICES["device"]),
         synthetic=synthetic,
         sampler=spec.default_sampler if sampler == "auto" else sampler,
-        lr_schedule=_string(cfg, "lr-schedule", ("constant", "step")),
+        lr_schedule=_string(cfg, "lr-schedule", CHOICES["lr-schedule"]),
         straggler_fraction=straggler_fraction,
         straggler_policy=spec.default_straggler_policy if straggler_policy == "auto" else straggler_policy,
         stateful_clients=spec.solver.state_copies > 0,
-        client_state=_string(cfg, "client-state", CLIENT_STATES),
+        client_state=_string(cfg, "client-state", CHOICES["client-state"]),
         state_dir=_string(cfg, "state-dir"),
         round_timeout=_positive(cfg, "round-timeout"),
         train_samples=train_samples,
         clip_norm=clip_norm,
-        cohort_batching=_string(cfg, "cohort-batching", COHORT_BATCHING),
+        cohort_batching=_string(cfg, "cohort-batching", CHOICES["cohort-batching"]),
         cohort_chunk=_integer(cfg, "cohort-chunk", 0),
         checkpoint_every=_integer(cfg, "checkpoint-every", 0),
         resume=_string(cfg, "resume"),

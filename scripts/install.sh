@@ -8,7 +8,7 @@
 # makes the venv export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 so the
 # local SuperLink started by `flwr run` does not `uv sync` the dependencies
 # (torch from scratch) for every run. Fashion-MNIST comes from Debian's
-# dataset-fashion-mnist package when apt is usable (set FEDACCEL_SKIP_APT=1
+# dataset-fashion-mnist package and the browser tests' chromium when apt is usable (set FEDACCEL_SKIP_APT=1
 # to skip); everything else the default experiment needs is generated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ else
     python -m pip install --quiet "torch==2.13.0"
 fi
 echo "[install] installing fedaccel and its dependencies"
-python -m pip install --quiet -e ".[dev]"
+python -m pip install --quiet -e ".[dev,dashboard]"
 fedaccel-federations install
 
 activate="$VIRTUAL_ENV/bin/activate"
@@ -39,5 +39,11 @@ if [ ! -f "$fmnist" ] && [ -z "${FEDACCEL_SKIP_APT:-}" ] && [ "$(id -u)" = 0 ] &
     echo "[install] installing Debian's dataset-fashion-mnist"
     (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null) \
         || echo "[install] warning: could not install dataset-fashion-mnist; Fashion-MNIST runs need data-dir"
+fi
+# the dashboard's browser tests drive Debian's chromium with its chromium-driver (no browser download)
+if ! command -v chromedriver >/dev/null && [ -z "${FEDACCEL_SKIP_APT:-}" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[install] installing Debian's chromium and chromium-driver (dashboard browser tests)"
+    (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) \
+        || echo "[install] warning: could not install chromium; the dashboard's browser tests will be skipped"
 fi
 echo "[install] done. Activate with: source $VIRTUAL_ENV/bin/activate"

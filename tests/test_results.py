@@ -238,9 +238,9 @@ def test_compare_labels_repeat_and_label_key(tmp_path):
     write_run(a, {"algo": "fedavg", "lr": 0.1}, [0.5])
     write_run(b, {"algo": "fedavg", "lr": 0.01}, [0.6])
     runs = compare.load_runs([a, b])
-    compare._assign_run_labels(runs, None)
+    compare.assign_run_labels(runs, None)
     assert [r.label for r in runs] == ["fedavg (a)", "fedavg (b)"]
-    compare._assign_run_labels(runs, "lr")
+    compare.assign_run_labels(runs, "lr")
     assert [r.label for r in runs] == ["0.1", "0.01"]
 
 

@@ -1,0 +1,199 @@
+"""Start and stop runs from the dashboard: argument lists, never a shell.
+
+A launched run is ``fedaccel-run`` (the fast runner) or ``flwr run`` on a
+SuperLink connection of ``$FLWR_HOME/config.toml`` (local simulation, a Ray
+cluster, a deployment), with the validated overrides as ``key=value``
+tokens, ``run-name`` set so the dashboard knows its folder, and its console
+captured to ``<run folder>/console.log``.
+
+Stopping: a fast-runner run gets SIGINT (it records ``stopped`` in its
+``status.json`` and exits 130); a Flower run is stopped through Flower's
+Control API (``flwr stop RUN_ID CONNECTION``), whose id the ServerApp wrote
+to ``status.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, load_launch
+from fedaccel.dashboard.schema import FormError, run_config_tokens
+from fedaccel.local_run import project_dir
+from fedaccel.results import load_status
+
+ENGINES = ("fast", "flower")
+
+
+@dataclass
+class Launched:
+    """A run this dashboard started."""
+
+    run_dir: Path
+    argv: list[str]
+    process: subprocess.Popen
+    engine: str
+    connection: str | None = None
+    stop_requested: bool = field(default=False)
+
+
+def flower_connections() -> tuple[list[str], str | None]:
+    """The SuperLink connections of ``$FLWR_HOME/config.toml`` and the default."""
+    try:
+        from flwr.cli.flower_config import read_flower_config
+
+        config, _ = read_flower_config()
+    except Exception:  # no Flower config yet: nothing to offer
+        return [], None
+    superlink = config.get("superlink", {})
+    names = sorted(k for k, v in superlink.items() if isinstance(v, dict))
+    default = superlink.get("default")
+    return names, default if default in names else None
+
+
+def default_run_name(overrides: dict[str, Any]) -> str:
+    from fedaccel.local_run import default_run_config
+
+    cfg = {**default_run_config(), **overrides}
+    return f"{cfg['algo']}-{cfg['dataset']}-seed{cfg['seed']}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')[:-3]}"
+
+
+class Launcher:
+    """Runs started here, by run folder."""
+
+    def __init__(self, results_root: Path) -> None:
+        self.results_root = results_root.resolve()
+        self.launched: dict[Path, Launched] = {}
+        self._lock = threading.Lock()
+
+    def command(self, overrides: dict[str, Any], engine: str, num_clients: int,
+                connection: str | None) -> tuple[list[str], Path, dict[str, Any]]:
+        """The argument list that runs ``overrides``, the run's folder and
+        the overrides it passes (with ``run-name`` and ``results-dir``)."""
+        if engine not in ENGINES:
+            raise FormError(f"engine={engine!r}: allowed: {', '.join(ENGINES)}", "engine")
+        overrides = dict(overrides)
+        if not overrides.get("run-name"):
+            overrides["run-name"] = default_run_name(overrides)
+        run_dir = self.results_root / str(overrides["run-name"])
+        if run_dir.exists():
+            raise FormError(f"run-name={overrides['run-name']!r}: {run_dir} exists already; "
+                            "choose another run-name (or leave it empty)", "run-name")
+        overrides["results-dir"] = str(self.results_root)
+        tokens = run_config_tokens(overrides)
+        if engine == "fast":
+            return [sys.executable, "-m", "fedaccel.local_run", *tokens,
+                    "--num-clients", str(num_clients)], run_dir, overrides
+        names, default = flower_connections()
+        connection = connection or default
+        if connection not in names:
+            raise FormError(f"connection={connection!r}: not a SuperLink connection of Flower's "
+                            f"config.toml (there: {', '.join(names) or 'none'}); run "
+                            "fedaccel-federations install", "connection")
+        flwr = shutil.which("flwr") or str(Path(sys.executable).with_name("flwr"))
+        return [flwr, "run", str(project_dir()), connection, "--run-config", " ".join(tokens),
+                "--stream"], run_dir, overrides
+
+    def launch(self, overrides: dict[str, Any], engine: str = "fast", num_clients: int = 20,
+               connection: str | None = None) -> Launched:
+        names, default = flower_connections()
+        connection = (connection or default) if engine == "flower" else None
+        argv, run_dir, run_config = self.command(overrides, engine, num_clients, connection)
+        run_dir.mkdir(parents=True)
+        console = open(run_dir / CONSOLE_FILE, "w", encoding="utf-8")
+        console.write("$ " + " ".join(argv) + "\n")
+        console.flush()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(argv, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   cwd=os.getcwd(), env=env, start_new_session=True)
+        console.close()  # the child holds its own copy
+        launch = {"argv": argv, "engine": engine, "run-config": run_config,
+                  "num-clients": num_clients if engine == "fast" else None,
+                  "connection": connection if engine == "flower" else None,
+                  "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
+        tmp = run_dir / f".{LAUNCH_FILE}.tmp"
+        tmp.write_text(json.dumps(launch, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, run_dir / LAUNCH_FILE)
+        launched = Launched(run_dir=run_dir, argv=argv, process=process, engine=engine,
+                            connection=connection if engine == "flower" else None)
+        with self._lock:
+            self.launched[run_dir.resolve()] = launched
+        return launched
+
+    def stop(self, run_dir: Path) -> str:
+        """Stop a running run; returns what was done, in words."""
+        run_dir = run_dir.resolve()
+        launched = self.launched.get(run_dir)
+        launch = load_launch(run_dir) or {}
+        status = load_status(run_dir) or {}
+        engine = status.get("engine") or launch.get("engine")
+        if engine == "flower":
+            run_id = status.get("run_id")
+            if run_id is None:
+                raise FormError("this Flower run has not started its ServerApp yet (no run id); try again "
+                                "in a few seconds")
+            connection = launch.get("connection")
+            argv = [shutil.which("flwr") or "flwr", "stop", str(run_id)] + ([connection] if connection else [])
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            if done.returncode != 0:
+                raise FormError(f"flwr stop {run_id} failed: {(done.stderr or done.stdout).strip()[-300:]}")
+            self._mark_stopped(run_dir)
+            return f"asked Flower's SuperLink to stop run {run_id}"
+        if status and status.get("state") != "running":
+            raise FormError(f"this run is not running (it is {status.get('state')})")
+        if launched is not None and launched.process.poll() is None:
+            if launched.stop_requested:
+                raise FormError("already asked to stop: it stops at the end of the current step")
+            launched.stop_requested = True
+            os.killpg(launched.process.pid, signal.SIGINT)
+            return "sent SIGINT to the fast runner"
+        pid = status.get("pid") if status else launch.get("pid")
+        state = status.get("state") if status else "running"
+        host = (status or launch).get("host")
+        if state == "running" and isinstance(pid, int) and host == socket.gethostname():
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                raise FormError("the run's process is gone already") from None
+            return f"sent SIGINT to process {pid}"
+        raise FormError("this run is not running here (it finished, or runs on another host)")
+
+    @staticmethod
+    def _mark_stopped(run_dir: Path) -> None:
+        """A Flower run stopped through the Control API has its ServerApp
+        killed: say ``stopped`` in its status.json for it."""
+        import json
+        import time
+
+        status = load_status(run_dir)
+        if status and status.get("state") == "running":
+            status.update(state="stopped", error="stopped from the dashboard (flwr stop)", updated=time.time())
+            tmp = run_dir / ".status.json.dashboard.tmp"
+            tmp.write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, run_dir / "status.json")
+
+    def reap(self) -> None:
+        """Forget finished child processes (no zombies)."""
+        with self._lock:
+            for launched in self.launched.values():
+                launched.process.poll()
+
+    def shutdown(self) -> None:
+        """Stop every run this dashboard started and still runs."""
+        for launched in list(self.launched.values()):
+            if launched.process.poll() is None:
+                try:
+                    os.killpg(launched.process.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass

@@ -1,0 +1,225 @@
+"""The runs the dashboard lists: every run folder under the results roots.
+
+A run folder is one holding ``config.json`` and ``metrics.jsonl`` (written by
+:class:`fedaccel.results.RunRecorder`, whichever runner or engine ran it);
+its ``status.json`` says whether it is running. Nothing here is a second
+bookkeeping: every value is read from those files when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from fedaccel.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line, summarize
+
+#: how deep under a root run folders are looked for (sweeps: root/study/cells/run)
+MAX_DEPTH = 4
+#: what a run's console output is captured to when the dashboard launched it
+CONSOLE_FILE = "console.log"
+#: what the dashboard wrote when it launched a run: argv, engine, overrides, pid
+LAUNCH_FILE = "launch.json"
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """Where one run lives: root number and its path under that root (its id)."""
+
+    root: int
+    rel: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.root}/{self.rel}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run's folder: recorded by a run, or launched by the dashboard (a
+    launched run that fails before its first file shows with its console)."""
+    return ((path / CONFIG_FILE).is_file() and (path / METRICS_FILE).is_file()) or (path / LAUNCH_FILE).is_file()
+
+
+def _mtime(path: Path) -> float:
+    for name in (METRICS_FILE, LAUNCH_FILE):
+        try:
+            return (path / name).stat().st_mtime
+        except OSError:
+            pass
+    return 0.0
+
+
+def load_launch(path: Path) -> dict | None:
+    try:
+        launch = json.loads((path / LAUNCH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return launch if isinstance(launch, dict) else None
+
+
+def console_tail(path: Path, n: int) -> list[str]:
+    try:
+        with open(path / CONSOLE_FILE, encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n") for line in f.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+def find_runs(roots: list[Path]) -> Iterator[tuple[RunRef, Path]]:
+    """Every run folder under the roots, newest first within a root."""
+    for i, root in enumerate(roots):
+        found: list[Path] = []
+        stack = [(root, 0)]
+        while stack:
+            folder, depth = stack.pop()
+            try:
+                children = [c for c in folder.iterdir() if c.is_dir() and not c.name.startswith(".")]
+            except OSError:
+                continue
+            for child in children:
+                if is_run_dir(child):
+                    found.append(child)
+                elif depth + 1 < MAX_DEPTH and child.name != "checkpoints":
+                    stack.append((child, depth + 1))
+        found.sort(key=_mtime, reverse=True)
+        for path in found:
+            yield RunRef(i, path.relative_to(root).as_posix()), path
+
+
+def resolve(roots: list[Path], run_id: str) -> Path | None:
+    """The folder of ``run_id`` (``<root>/<relative path>``), or None; never
+    a path outside the roots."""
+    head, _, rel = run_id.partition("/")
+    if not head.isdigit() or int(head) >= len(roots) or not rel:
+        return None
+    root = roots[int(head)].resolve()
+    path = (root / rel).resolve()
+    if root not in path.parents or not is_run_dir(path):
+        return None
+    return path
+
+
+def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tuple[str, str | None]:
+    """``running``, ``finished``, ``failed``, ``stopped``, ``starting`` (the
+    dashboard launched it; it has not recorded a round yet), ``interrupted``
+    (its process died without a word) or ``unknown`` (no status.json), and
+    the one-line error of a run that ended early."""
+    if status is None:
+        if (path / SUMMARY_FILE).is_file():
+            return "finished", None
+        if launch is None:
+            return "unknown", None
+        pid = launch.get("pid")
+        if isinstance(pid, int) and launch.get("host") == socket.gethostname() and _pid_alive(pid):
+            return "starting", None
+        last = [line for line in console_tail(path, 20) if line.strip()]
+        errors = [line for line in last if "error" in line.lower()]
+        return "failed", (errors or last or ["the run ended before its first round"])[-1]
+    state = str(status.get("state", "unknown"))
+    if state == "running" and status.get("host") == socket.gethostname() \
+            and isinstance(status.get("pid"), int) and not _pid_alive(status["pid"]):
+        return "interrupted", "its process ended without recording why (killed?)"
+    return state, status.get("error")
+
+
+def _seconds_per_round(rows: list[dict]) -> float | None:
+    secs = [r["seconds"] for r in rows if isinstance(r.get("seconds"), (int, float))]
+    return statistics.fmean(secs[-10:]) if secs else None
+
+
+def _last(rows: list[dict], key: str) -> float | None:
+    for row in reversed(rows):
+        if isinstance(row.get(key), (int, float)):
+            return float(row[key])
+    return None
+
+
+def run_overview(ref: RunRef, path: Path) -> dict[str, Any]:
+    """One row of the runs table, read from the run's files now."""
+    launch = load_launch(path)
+    try:
+        if (path / CONFIG_FILE).is_file():
+            config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+            rows = load_rows(path / METRICS_FILE)
+        else:  # launched, not recorded yet: what it was launched with
+            config, rows = {**(launch or {}).get("run-config", {})}, []
+    except (OSError, ValueError) as err:
+        return {"id": ref.id, "name": path.name, "state": "unreadable", "error": str(err)}
+    status = load_status(path)
+    state, error = run_state(path, status, launch)
+    total = int(config.get("num-server-rounds") or (status or {}).get("num_rounds") or 0)
+    done = rows[-1]["round"] if rows else 0
+    per_round = _seconds_per_round(rows)
+    eta = per_round * (total - done) if state == "running" and per_round is not None else None
+    return {
+        "id": ref.id, "name": path.name, "path": str(path),
+        "algo": config.get("algo"), "dataset": config.get("dataset"), "seed": config.get("seed"),
+        "state": state, "round": done, "rounds": total,
+        "accuracy": _last(rows, "accg"), "loss": _last(rows, "loss"),
+        "seconds_per_round": per_round, "eta_seconds": eta,
+        "engine": (status or {}).get("engine") or (launch or {}).get("engine"),
+        "flower_run_id": (status or {}).get("run_id"), "error": error,
+        "updated": _mtime(path),
+    }
+
+
+def run_detail(ref: RunRef, path: Path, log_lines: int = 40) -> dict[str, Any]:
+    """Everything the run page shows: the overview, the config, every row,
+    the summary so far and the log tail."""
+    overview = run_overview(ref, path)
+    if overview["state"] == "unreadable":
+        return overview
+    recorded = (path / CONFIG_FILE).is_file()
+    config = (json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")) if recorded
+              else {**(load_launch(path) or {}).get("run-config", {})})
+    rows = load_rows(path / METRICS_FILE) if recorded and (path / METRICS_FILE).is_file() else []
+    target = config.get("target-accuracy")
+    summary = summarize(rows, float(target)) if isinstance(target, (int, float)) and rows else None
+    return {**overview, "config": config, "rows": rows, "summary": summary,
+            "log": log_tail(path, rows, config, overview, log_lines)}
+
+
+def log_tail(path: Path, rows: list[dict], config: dict, overview: dict, n: int) -> list[str]:
+    """The last ``n`` lines of the run's console (when the dashboard captured
+    it), else its progress lines rebuilt from ``metrics.jsonl`` as
+    ``fedaccel-run`` prints them, and the error of a failed run."""
+    if (path / CONSOLE_FILE).is_file():
+        return console_tail(path, n)
+    lines = [progress_line(row, overview.get("rounds") or len(rows)) for row in rows[-n:]]
+    if overview.get("error"):
+        lines.append(f"[fedaccel] {overview['state']}: {overview['error']}")
+    return lines
+
+
+def snapshot(roots: list[Path]) -> list[dict[str, Any]]:
+    """Every run's overview, for the runs table and its live updates."""
+    return [run_overview(ref, path) for ref, path in find_runs(roots)]
+
+
+def fingerprint(roots: list[Path]) -> tuple:
+    """Changes when any run's metrics or status change (what live updates watch)."""
+    out = []
+    for ref, path in find_runs(roots):
+        for name in (METRICS_FILE, "status.json", LAUNCH_FILE, CONSOLE_FILE):
+            try:
+                st = (path / name).stat()
+                out.append((ref.id, name, st.st_mtime_ns, st.st_size))
+            except OSError:
+                pass
+    out.append(int(time.time() // 5))  # and every 5 s: a dead process shows as interrupted
+    return tuple(out)
