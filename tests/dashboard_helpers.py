@@ -73,7 +73,8 @@ def live_server(roots: list[Path], token: str | None = None, poll_seconds: float
 
     app = create_app(roots, token=token, poll_seconds=poll_seconds)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: bound to every address: start it with --host <this machine's name or address> "
               "so that other machines' requests are accepted", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # open live-update streams must not hold Ctrl-C up
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     except OSError as err:
         print(f"{PROG}: error: cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
               "choose another --port", file=sys.stderr)

@@ -15,7 +15,7 @@ function el(tag, attrs = {}, ...children) {
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
     else if (v !== undefined && v !== null && v !== false) node.setAttribute(k, v === true ? "" : v);
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined) continue;
     node.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -322,6 +322,7 @@ async function showLaunch(params) {
       values[key] = node.type === "checkbox" ? node.checked : node.value;
     }
     form.querySelectorAll(".invalid").forEach((n) => n.classList.remove("invalid"));
+    form.querySelectorAll(".field-error").forEach((n) => n.remove());
     error.textContent = "";
     const body = {values, engine: engine.value, connection: connection.value, num_clients: clients.value};
     try {
@@ -331,7 +332,12 @@ async function showLaunch(params) {
     } catch (e) {
       error.textContent = e.message;
       const node = e.key && (inputs[e.key] || document.getElementById("field-" + e.key));
-      if (node) { node.classList.add("invalid"); node.focus(); }
+      if (node) {  // the message next to the field too, where the eye is
+        node.classList.add("invalid");
+        node.closest(".field").append(el("p", {class: "error field-error"}, e.message));
+        node.closest("details")?.setAttribute("open", "");
+        node.focus();
+      }
     }
   }
 }
