@@ -9,7 +9,8 @@ captured to ``<run folder>/console.log``.
 Stopping: a fast-runner run gets SIGINT (it records ``stopped`` in its
 ``status.json`` and exits 130); a Flower run is stopped through Flower's
 Control API (``flwr stop RUN_ID CONNECTION``), whose id the ServerApp wrote
-to ``status.json``.
+to ``status.json``; Flower kills the ServerApp, so the request is recorded in
+``stop-requested.json`` and the run shows as stopped once its process is gone.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, load_launch
+from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, STOP_FILE, load_launch
 from fedaccel.dashboard.schema import FormError, run_config_tokens
 from fedaccel.local_run import project_dir
 from fedaccel.results import load_status
@@ -67,6 +68,27 @@ def default_run_name(overrides: dict[str, Any]) -> str:
 
     cfg = {**default_run_config(), **overrides}
     return f"{cfg['algo']}-{cfg['dataset']}-seed{cfg['seed']}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')[:-3]}"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _confirm_stop(run_dir: Path, run_id: int, connection: str | None, timeout: float = 300.0) -> None:
+    """Wait until Flower lists ``run_id`` as finished, then record it."""
+    from fedaccel.dashboard.flower_runs import flower_runs
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = flower_runs(connection).get("runs", [])
+        status = next((r.get("status", "") for r in listed if r.get("run-id") == str(run_id)), "")
+        if status.startswith("finished"):
+            _write_json(run_dir / STOP_FILE, {"requested": time.time(), "via": "flwr stop", "confirmed": True,
+                                              "flower-status": status})
+            return
+        time.sleep(1.0)
 
 
 class Launcher:
@@ -122,9 +144,7 @@ class Launcher:
                   "num-clients": num_clients if engine == "fast" else None,
                   "connection": connection if engine == "flower" else None,
                   "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
-        tmp = run_dir / f".{LAUNCH_FILE}.tmp"
-        tmp.write_text(json.dumps(launch, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, run_dir / LAUNCH_FILE)
+        _write_json(run_dir / LAUNCH_FILE, launch)
         launched = Launched(run_dir=run_dir, argv=argv, process=process, engine=engine,
                             connection=connection if engine == "flower" else None)
         with self._lock:
@@ -148,7 +168,11 @@ class Launcher:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
             if done.returncode != 0:
                 raise FormError(f"flwr stop {run_id} failed: {(done.stderr or done.stdout).strip()[-300:]}")
-            self._mark_stopped(run_dir)
+            # Flower ends the ServerApp, which cannot say so itself: the request is
+            # recorded here, and confirmed once Flower's Control API lists the run
+            # as finished (then the dashboard shows it stopped, whatever its process does)
+            _write_json(run_dir / STOP_FILE, {"requested": time.time(), "via": "flwr stop", "confirmed": False})
+            threading.Thread(target=_confirm_stop, args=(run_dir, run_id, connection), daemon=True).start()
             return f"asked Flower's SuperLink to stop run {run_id}"
         if status and status.get("state") != "running":
             raise FormError(f"this run is not running (it is {status.get('state')})")
@@ -168,20 +192,6 @@ class Launcher:
                 raise FormError("the run's process is gone already") from None
             return f"sent SIGINT to process {pid}"
         raise FormError("this run is not running here (it finished, or runs on another host)")
-
-    @staticmethod
-    def _mark_stopped(run_dir: Path) -> None:
-        """A Flower run stopped through the Control API has its ServerApp
-        killed: say ``stopped`` in its status.json for it."""
-        import json
-        import time
-
-        status = load_status(run_dir)
-        if status and status.get("state") == "running":
-            status.update(state="stopped", error="stopped from the dashboard (flwr stop)", updated=time.time())
-            tmp = run_dir / ".status.json.dashboard.tmp"
-            tmp.write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, run_dir / "status.json")
 
     def reap(self) -> None:
         """Forget finished child processes (no zombies)."""

@@ -25,6 +25,8 @@ MAX_DEPTH = 4
 CONSOLE_FILE = "console.log"
 #: what the dashboard wrote when it launched a run: argv, engine, overrides, pid
 LAUNCH_FILE = "launch.json"
+#: written when the dashboard asked Flower to stop a run (Flower kills its ServerApp)
+STOP_FILE = "stop-requested.json"
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,13 @@ def resolve(roots: list[Path], run_id: str) -> Path | None:
     return path
 
 
+def _stop_confirmed(path: Path) -> bool:
+    try:
+        return json.loads((path / STOP_FILE).read_text(encoding="utf-8")).get("confirmed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tuple[str, str | None]:
     """``running``, ``finished``, ``failed``, ``stopped``, ``starting`` (the
     dashboard launched it; it has not recorded a round yet), ``interrupted``
@@ -131,8 +140,12 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
         errors = [line for line in last if "error" in line.lower()]
         return "failed", (errors or last or ["the run ended before its first round"])[-1]
     state = str(status.get("state", "unknown"))
+    if state == "running" and _stop_confirmed(path):
+        return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
     if state == "running" and status.get("host") == socket.gethostname() \
             and isinstance(status.get("pid"), int) and not _pid_alive(status["pid"]):
+        if (path / STOP_FILE).is_file():
+            return "stopped", "stopped from the dashboard (flwr stop)"
         return "interrupted", "its process ended without recording why (killed?)"
     return state, status.get("error")
 
