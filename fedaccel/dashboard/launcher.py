@@ -193,12 +193,6 @@ class Launcher:
             return f"sent SIGINT to process {pid}"
         raise FormError("this run is not running here (it finished, or runs on another host)")
 
-    def reap(self) -> None:
-        """Forget finished child processes (no zombies)."""
-        with self._lock:
-            for launched in self.launched.values():
-                launched.process.poll()
-
     def shutdown(self) -> None:
         """Stop every run this dashboard started and still runs."""
         for launched in list(self.launched.values()):

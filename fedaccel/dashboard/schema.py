@@ -19,7 +19,6 @@ from typing import Any
 
 import tomli_w
 
-from fedaccel.config import ConfigError
 from fedaccel.errors import USER_ERRORS
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, project_dir
 from fedaccel.memory import require_memory
@@ -161,4 +160,4 @@ def run_config_tokens(overrides: dict[str, Any]) -> list[str]:
     return [f"{key}={toml_value(value)}" for key, value in overrides.items()]
 
 
-__all__ = ["ConfigError", "FormError", "form_schema", "validate", "run_config_tokens", "value_of"]
+__all__ = ["FormError", "form_schema", "validate", "run_config_tokens", "value_of"]
