@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,7 @@ class Launched:
     run_dir: Path
     argv: list[str]
     process: subprocess.Popen
-    engine: str
-    connection: str | None = None
-    stop_requested: bool = field(default=False)
+    stop_requested: bool = False
 
 
 def flower_connections() -> tuple[list[str], str | None]:
@@ -129,8 +127,7 @@ class Launcher:
 
     def launch(self, overrides: dict[str, Any], engine: str = "fast", num_clients: int = 20,
                connection: str | None = None) -> Launched:
-        names, default = flower_connections()
-        connection = (connection or default) if engine == "flower" else None
+        connection = (connection or flower_connections()[1]) if engine == "flower" else None
         argv, run_dir, run_config = self.command(overrides, engine, num_clients, connection)
         run_dir.mkdir(parents=True)
         console = open(run_dir / CONSOLE_FILE, "w", encoding="utf-8")
@@ -142,11 +139,10 @@ class Launcher:
         console.close()  # the child holds its own copy
         launch = {"argv": argv, "engine": engine, "run-config": run_config,
                   "num-clients": num_clients if engine == "fast" else None,
-                  "connection": connection if engine == "flower" else None,
+                  "connection": connection,
                   "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
         _write_json(run_dir / LAUNCH_FILE, launch)
-        launched = Launched(run_dir=run_dir, argv=argv, process=process, engine=engine,
-                            connection=connection if engine == "flower" else None)
+        launched = Launched(run_dir=run_dir, argv=argv, process=process)
         with self._lock:
             self.launched[run_dir.resolve()] = launched
         return launched
@@ -182,10 +178,9 @@ class Launcher:
             launched.stop_requested = True
             os.killpg(launched.process.pid, signal.SIGINT)
             return "sent SIGINT to the fast runner"
-        pid = status.get("pid") if status else launch.get("pid")
-        state = status.get("state") if status else "running"
-        host = (status or launch).get("host")
-        if state == "running" and isinstance(pid, int) and host == socket.gethostname():
+        # running by its status.json, or launched and not recording yet
+        pid, host = (status or launch).get("pid"), (status or launch).get("host")
+        if isinstance(pid, int) and host == socket.gethostname():
             try:
                 os.kill(pid, signal.SIGINT)
             except ProcessLookupError:

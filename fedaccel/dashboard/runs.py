@@ -162,15 +162,20 @@ def _last(rows: list[dict], key: str) -> float | None:
     return None
 
 
-def run_overview(ref: RunRef, path: Path) -> dict[str, Any]:
-    """One row of the runs table, read from the run's files now."""
+def _read(path: Path, launch: dict | None) -> tuple[dict, list[dict]]:
+    """A run's config and rows: recorded ones, or what the dashboard launched
+    it with while it has recorded nothing (OSError/ValueError if unreadable)."""
+    if (path / CONFIG_FILE).is_file():
+        return json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")), load_rows(path / METRICS_FILE)
+    return {**(launch or {}).get("run-config", {})}, []
+
+
+def run_overview(ref: RunRef, path: Path, read: tuple[dict, list[dict]] | None = None) -> dict[str, Any]:
+    """One row of the runs table, read from the run's files now (``read``:
+    its config and rows, when the caller has read them already)."""
     launch = load_launch(path)
     try:
-        if (path / CONFIG_FILE).is_file():
-            config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-            rows = load_rows(path / METRICS_FILE)
-        else:  # launched, not recorded yet: what it was launched with
-            config, rows = {**(launch or {}).get("run-config", {})}, []
+        config, rows = read or _read(path, launch)
     except (OSError, ValueError) as err:
         return {"id": ref.id, "name": path.name, "state": "unreadable", "error": str(err)}
     status = load_status(path)
@@ -194,20 +199,18 @@ def run_overview(ref: RunRef, path: Path) -> dict[str, Any]:
 def run_detail(ref: RunRef, path: Path, log_lines: int = 40) -> dict[str, Any]:
     """Everything the run page shows: the overview, the config, every row,
     the summary so far and the log tail."""
-    overview = run_overview(ref, path)
-    if overview["state"] == "unreadable":
-        return overview
-    recorded = (path / CONFIG_FILE).is_file()
-    config = (json.loads((path / CONFIG_FILE).read_text(encoding="utf-8")) if recorded
-              else {**(load_launch(path) or {}).get("run-config", {})})
-    rows = load_rows(path / METRICS_FILE) if recorded and (path / METRICS_FILE).is_file() else []
+    try:
+        config, rows = _read(path, load_launch(path))
+    except (OSError, ValueError):
+        return run_overview(ref, path)  # says unreadable, and why
+    overview = run_overview(ref, path, (config, rows))
     target = config.get("target-accuracy")
     summary = summarize(rows, float(target)) if isinstance(target, (int, float)) and rows else None
     return {**overview, "config": config, "rows": rows, "summary": summary,
-            "log": log_tail(path, rows, config, overview, log_lines)}
+            "log": log_tail(path, rows, overview, log_lines)}
 
 
-def log_tail(path: Path, rows: list[dict], config: dict, overview: dict, n: int) -> list[str]:
+def log_tail(path: Path, rows: list[dict], overview: dict, n: int) -> list[str]:
     """The last ``n`` lines of the run's console (when the dashboard captured
     it), else its progress lines rebuilt from ``metrics.jsonl`` as
     ``fedaccel-run`` prints them, and the error of a failed run."""
