@@ -64,7 +64,8 @@ CHECKPOINT_DIR = "checkpoints"
 KEEP = 2  # the newest two: a resume can also start one checkpoint earlier
 # Keys that may differ between a checkpoint's run and the run that resumes it:
 # where results go and how often to checkpoint do not change the numbers.
-UNCHECKED_KEYS = frozenset({"resume", "results-dir", "run-name", "checkpoint-every", "round-timeout"})
+UNCHECKED_KEYS = frozenset({"resume", "results-dir", "run-name", "checkpoint-every", "round-timeout",
+                            "tracker", "tracker-uri"})
 _NAME = re.compile(r"round-(\d+)\.zip$")
 
 

@@ -58,7 +58,9 @@ __all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "assign_run_lab
 #: Config keys ignored when deciding whether runs differ only by seed.
 SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir",
                        # how a run was checkpointed and resumed does not change its numbers
-                       "checkpoint-every", "checkpoint_every", "resume"})
+                       "checkpoint-every", "checkpoint_every", "resume",
+                       # nor where its metrics were sent too
+                       "tracker", "tracker_uri", "tracker-uri"})
 
 PNG_NAME = "comparison.png"
 MD_NAME = "comparison.md"

@@ -128,6 +128,8 @@ class RunConfig:
     cohort_chunk: int = 0  # clients per batched chunk; 0: sized to the memory available
     checkpoint_every: int = 0  # write a checkpoint after every k-th round (0: never; fedaccel.checkpoint)
     resume: str = ""  # a run folder or checkpoint file to continue from ("" = a new run)
+    tracker: str = "none"  # where the per-round metrics go too (fedaccel.trackers.TRACKERS)
+    tracker_uri: str = ""  # TensorBoard log root or MLflow tracking URI ("" = the tracker's default)
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -28,6 +28,7 @@ from fedaccel.memory import require_memory
 from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
 from fedaccel.results import RunRecorder
+from fedaccel.trackers import open_tracker, require_tracker
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
 from fedaccel.grids import PromptGrid
@@ -139,10 +140,12 @@ class Experiment:
             # bits with the same thread count (docs/measurements.md)
             "torch-threads": torch.get_num_threads(),
         })
+        rows_before = resume.rows if resume is not None else []
         self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
-                                    cfg.num_server_rounds, quiet=quiet,
-                                    rows=resume.rows if resume is not None else None,
-                                    engine=engine, run_id=run_id)
+                                    cfg.num_server_rounds, quiet=quiet, rows=rows_before,
+                                    engine=engine, run_id=run_id,
+                                    tracker=open_tracker(cfg.tracker, cfg.tracker_uri, self.run_dir,
+                                                         resolved, rows_before))
         self._round_start = time.perf_counter()
 
     def evaluate_global(self, arrays: ArrayRecord) -> tuple[float, float]:
@@ -265,6 +268,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     With ``resume``, the run continues from its checkpoint, in its own folder.
     """
     cfg = parse_run_config(run_config)
+    require_tracker(cfg.tracker, cfg.tracker_uri)  # a missing package refused before any work
     if cfg.cohort_batching == "on" and not getattr(grid, "trains_cohorts", False):
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
                            "Flower's engines train one client per node: use 'auto' or 'off'")

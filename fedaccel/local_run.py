@@ -149,10 +149,12 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
 
     from fedaccel.memory import require_memory
     from fedaccel.run_config import parse_run_config
+    from fedaccel.trackers import require_tracker
 
     # before building anything, and before Flower's logging is changed (nothing to restore)
     cfg = parse_run_config(run_config)
     require_memory(cfg, num_clients)
+    require_tracker(cfg.tracker, cfg.tracker_uri)
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)

@@ -352,6 +352,10 @@ class RunRecorder:
     engine, run_id:
         What runs it (``fast`` runner or ``flower``) and the engine's run id
         (``flwr stop RUN_ID`` stops a Flower run), written to ``status.json``.
+    tracker:
+        Where the same rows go too (:mod:`fedaccel.trackers`: TensorBoard,
+        MLflow), told each round and the end state; one that fails is
+        dropped with one line, the run and its files go on.
     """
 
     def __init__(
@@ -364,6 +368,7 @@ class RunRecorder:
         rows: list[dict] | None = None,
         engine: str = "fast",
         run_id: int | None = None,
+        tracker: Any = None,
     ) -> None:
         self.target_accuracy = _check_accuracy("target_accuracy", target_accuracy)
         self.run_dir = Path(run_dir)
@@ -372,6 +377,7 @@ class RunRecorder:
         self.quiet = quiet
         self.rows: list[dict] = []
         self.summary: dict | None = None
+        self.tracker = tracker
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / CONFIG_FILE).write_text(
@@ -402,6 +408,19 @@ class RunRecorder:
         self.close()
         if self._status["state"] == "running":
             self._write_status(state=state, error=error or None)
+            self._track("close", state)
+
+    def _track(self, method: str, arg: Any) -> None:
+        """Call the tracker; one that raises prints one line and is dropped."""
+        if self.tracker is None:
+            return
+        try:
+            getattr(self.tracker, method)(arg)
+        except Exception as err:  # a tracking server gone must not end the run
+            print(f"[fedaccel] warning: tracker {self.tracker.name} failed after round {len(self.rows)} "
+                  f"({type(err).__name__}: {err}); it gets no more metrics, the run and {METRICS_FILE} go on",
+                  flush=True)
+            self.tracker = None
 
     # -- context manager ---------------------------------------------------
     def __enter__(self) -> "RunRecorder":
@@ -461,6 +480,7 @@ class RunRecorder:
         self._metrics.flush()
         self.rows.append(clean)
         self._write_status(round=clean["round"])
+        self._track("log_round", clean)
         if not self.quiet:
             print(self.progress_line(clean), flush=True)
 
@@ -481,7 +501,10 @@ class RunRecorder:
         plot_curves(self.rows, self.run_dir / CURVES_FILE, title=f"{name} ({self.run_dir.name})")
         self.summary = summary
         self._write_status(state="finished")
-        # printed even when quiet: the one line that says where everything went
+        self._track("close", "finished")
+        # printed even when quiet: the lines that say where everything went
+        if self.tracker is not None:
+            print(f"[fedaccel] metrics also in {self.tracker.where}", flush=True)
         files = ", ".join((METRICS_FILE, SUMMARY_FILE, CURVES_FILE, CONFIG_FILE) + tuple(extra_files))
         print(f"[fedaccel] results written to {self.run_dir.resolve()} ({files})", flush=True)
         return summary

@@ -24,6 +24,7 @@ from fedaccel.config import (
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
+from fedaccel.trackers import TRACKERS
 from fedaccel.models import MODELS
 
 
@@ -39,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "straggler-policy": ("auto", "drop", "partial"),
     "client-state": CLIENT_STATES,
     "cohort-batching": COHORT_BATCHING,
+    "tracker": TRACKERS,
     "gc.mode": GC_MODES,
     "gc.vectors": VECTOR_RULES,
     "gc.weight-decay": WEIGHT_DECAY_RULES,
@@ -249,6 +251,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         cohort_chunk=_integer(cfg, "cohort-chunk", 0),
         checkpoint_every=_integer(cfg, "checkpoint-every", 0),
         resume=_string(cfg, "resume"),
+        tracker=_string(cfg, "tracker", CHOICES["tracker"]),
+        tracker_uri=_string(cfg, "tracker-uri"),
         algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
@@ -261,5 +265,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
-    "clip-norm", "cohort-batching", "cohort-chunk", "checkpoint-every", "resume",
+    "clip-norm", "cohort-batching", "cohort-chunk", "checkpoint-every", "resume", "tracker", "tracker-uri",
 )

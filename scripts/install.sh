@@ -26,7 +26,7 @@ else
     python -m pip install --quiet "torch==2.13.0"
 fi
 echo "[install] installing fedaccel and its dependencies"
-python -m pip install --quiet -e ".[dev,dashboard]"
+python -m pip install --quiet -e ".[dev]"  # dev includes the dashboard and tracker extras
 fedaccel-federations install
 
 activate="$VIRTUAL_ENV/bin/activate"

@@ -174,3 +174,18 @@ def test_flwr_run_resumes_from_a_checkpoint_to_the_same_model(flwr_env, tmp_path
     after = dict(np.load(run_dir / "final_model.npz"))
     assert all(np.array_equal(whole[k], after[k]) for k in whole)
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in rows(run_dir)] == whole_rows
+
+
+def test_flwr_run_sends_its_rows_to_mlflow(flwr_env, tmp_path):
+    """tracker='mlflow' on Flower's simulation: the ServerApp's MLflow run
+    holds every number of metrics.jsonl and the run config."""
+    from tests.test_trackers import expected_scalars, mlflow_run
+
+    proc = flwr_run(flwr_env, overrides("fedavg", tmp_path, tracker="mlflow"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    run_dir = tmp_path / "fedavg"
+    _, run, history = mlflow_run(run_dir)
+    assert run.info.status == "FINISHED" and run.data.params["num-server-rounds"] == "4"
+    assert history == expected_scalars(rows(run_dir))
+    assert f"metrics also in MLflow run {run.info.run_id}" in out

@@ -24,6 +24,7 @@ from fedaccel.local_run import DEFAULT_NUM_CLIENTS, _parse_value, default_run_co
 from fedaccel.memory import require_memory
 from fedaccel.registry import all_algorithms, describe
 from fedaccel.run_config import CHOICES, parse_run_config
+from fedaccel.trackers import require_tracker
 
 #: keys the dashboard sets itself: where launched runs go
 DASHBOARD_KEYS = frozenset({"results-dir", "resume"})
@@ -139,6 +140,7 @@ def validate(values: dict[str, Any], num_clients: int, engine: str = "fast") -> 
         overrides = overrides_from_form(values)
         run_config = fuse(default_run_config(), overrides)
         cfg = parse_run_config(run_config)
+        require_tracker(cfg.tracker, cfg.tracker_uri)
         if engine == "fast":
             cfg.cohort_size(num_clients)
             require_memory(cfg, num_clients)
