@@ -18,9 +18,10 @@ any work (:func:`require_tracker`).
 - **mlflow**: one MLflow run per fedaccel run, in the experiment
   ``$MLFLOW_EXPERIMENT_NAME`` (default ``fedaccel``), at the tracking URI
   ``tracker-uri``, else ``$MLFLOW_TRACKING_URI``, else
-  ``sqlite:///<results folder>/mlflow.db`` (artifacts in
-  ``<results folder>/mlartifacts``; the results folder is the one that holds
-  the run folder, ``results-dir``); params = the run config, metrics per round
+  ``sqlite:///<results folder>/.mlflow/mlflow.db`` (artifacts in
+  ``.mlflow/artifacts``; the results folder is the one that holds the run
+  folder, ``results-dir``; hidden, so ``results/*`` still globs run folders
+  only); params = the run config, metrics per round
   (step = round), ``config.json`` as an artifact, and the end state as the
   MLflow run status (FINISHED, FAILED, KILLED). Its id is kept in the run
   folder (``tracker.json``): a resumed run continues the same MLflow run and
@@ -57,6 +58,7 @@ TRACKERS = ("none", "tensorboard", "mlflow")
 _PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny")}
 TRACKER_FILE = "tracker.json"
 MLFLOW_EXPERIMENT = "fedaccel"
+MLFLOW_STORE = ".mlflow"  # the default store's folder in the results folder
 PROBE_TIMEOUT = 5.0  # seconds an MLflow tracking server has to answer before a run starts
 #: What the MLflow run's status says for each of the run's end states.
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
@@ -176,9 +178,10 @@ class MlflowTracker:
 
         artifacts = None
         if not uri:  # next to the run folders, where the run is recorded
-            results = run_dir.resolve().parent
-            uri = f"sqlite:///{results / 'mlflow.db'}"
-            artifacts = (results / "mlartifacts").as_uri()
+            store = run_dir.resolve().parent / MLFLOW_STORE
+            store.mkdir(exist_ok=True)
+            uri = f"sqlite:///{store / 'mlflow.db'}"
+            artifacts = (store / "artifacts").as_uri()
         self.uri = uri
         self._lock = _sqlite_lock(uri)
         with self._lock:

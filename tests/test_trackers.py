@@ -112,7 +112,7 @@ def test_mlflow_tracker_logs_params_metrics_config_and_end_state(tmp_path, share
         tracker.log_round(row)
     tracker.close(state)
     client, run, history = mlflow_run(run_dir)
-    assert json.loads((run_dir / TRACKER_FILE).read_text())["uri"] == f"sqlite:///{shared_results / 'mlflow.db'}"
+    assert json.loads((run_dir / TRACKER_FILE).read_text())["uri"] == f"sqlite:///{shared_results / '.mlflow' / 'mlflow.db'}"
     assert run.info.run_name == f"run-{state}" and run.info.status == status
     assert run.data.params == {"algo": "fedavg", "lr": "0.05"}
     assert history == expected_scalars(ROWS)
@@ -157,6 +157,8 @@ def test_a_run_sends_the_rows_of_metrics_jsonl_to_the_tracker(tmp_path, capsys, 
     rows = load_rows(run_dir / "metrics.jsonl")
     assert len(rows) == 4
     out = capsys.readouterr().out
+    # the results folder holds run folders only (fedaccel-compare results/*): MLflow's store is hidden
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [tracker]
     if tracker == "tensorboard":
         assert_same_numbers(tensorboard_scalars(run_dir), expected_scalars(rows))
         assert f"[fedaccel] metrics also in TensorBoard: tensorboard --logdir {tmp_path.resolve()}" in out
