@@ -56,6 +56,8 @@ import math
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -93,6 +95,7 @@ class Study:
     folder: Path
     num_clients: int
     cells: list[Cell]
+    file: Path | None = None  # the study file it was read from
 
 
 def range_values(key: str, spec: dict[str, Any]) -> list[Any]:
@@ -264,7 +267,7 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
     cells = expand(variants, grid_values(raw.get("grid")), seeds)
     root = Path(results_dir or raw.get("results-dir")
                 or Path(str(shared.get("results-dir", "results"))) / "sweeps").expanduser()
-    return Study(name, root / name, num_clients, cells), shared
+    return Study(name, root / name, num_clients, cells, path.resolve()), shared
 
 
 def cell_run_config(study: Study, shared: dict[str, Any], cell: Cell) -> dict[str, Any]:
@@ -295,7 +298,9 @@ def check_cells(study: Study, shared: dict[str, Any]) -> list[dict[str, Any]]:
 
 def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
     """Refuse to resume a study whose file changed under its finished cells,
-    then record this plan (``plan.json``: every cell's full run config)."""
+    then record this plan (``plan.json``: every cell's full run config, the
+    cells the study has now in its order, the study file and the process
+    that runs it: what fedaccel-dashboard reads)."""
     plan_path = study.folder / "plan.json"
     planned = {cell.name: config for cell, config in zip(study.cells, configs)}
     old: dict[str, Any] = {}
@@ -326,8 +331,10 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
     try:
         study.folder.mkdir(parents=True, exist_ok=True)
         tmp = plan_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"num-clients": study.num_clients, "cells": cells}, indent=1) + "\n",
-                       encoding="utf-8")
+        plan = {"num-clients": study.num_clients, "cells": cells, "current": [c.name for c in study.cells],
+                "study-file": str(study.file) if study.file else None,
+                "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
         tmp.replace(plan_path)
     except OSError as err:
         raise ResultsDirError(f"cannot write the study's folder {study.folder} "
@@ -455,6 +462,24 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
     report. Returns counts and the failed cells' errors."""
     configs = check_cells(study, shared)
     check_plan(study, configs)
+    try:
+        return _run_planned(study, configs, workers, out, ray_address)
+    finally:  # the plan no longer names a live process (fedaccel-dashboard reads it)
+        _release_plan(study.folder / "plan.json")
+
+
+def _release_plan(plan_path: Path) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        plan = json.loads(plan_path.read_text(encoding="utf-8"))
+        if plan.get("pid") == os.getpid():
+            plan.update(pid=None, ended=time.time())
+            tmp = plan_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
+            tmp.replace(plan_path)
+
+
+def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | None, out: Any,
+                 ray_address: str | None) -> dict[str, Any]:
     cells_dir = study.folder / "cells"
     todo = []
     for config in configs:
@@ -493,18 +518,40 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
         with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
             submitted = {pool.submit(_run_cell, c, study.num_clients, threads): c["run-name"] for c in todo}
             pending: set[Future] = set(submitted)
-            while pending:
-                complete, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in complete:
-                    try:
-                        record(*future.result())
-                    except BrokenProcessPool:  # a worker died (killed, out of memory): its cells failed
-                        record(submitted[future], 0.0, "its worker process died (out of memory?)")
+            try:
+                while pending:
+                    complete, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in complete:
+                        try:
+                            record(*future.result())
+                        except BrokenProcessPool:  # a worker died (killed, out of memory): its cells failed
+                            record(submitted[future], 0.0, "its worker process died (out of memory?)")
+            except KeyboardInterrupt:
+                _stop_workers(pool)
+                raise
     report = write_report(study) if any(finished(cells_dir / c.name) for c in study.cells) else None
     if report:
         print(f"[sweep] report: {report / 'comparison.md'}, {report / 'groups.csv'}, "
               f"{report / 'comparison.png'}", file=out, flush=True)
     return {"cells": len(configs), "skipped": done_before, "ran": len(todo), "failed": failed}
+
+
+def _stop_workers(pool: ProcessPoolExecutor, grace: float = 5.0) -> None:
+    """Ctrl-C (or the dashboard's stop): no cell starts any more; the running
+    ones get SIGINT (each records ``stopped`` and its rows so far) and
+    ``grace`` seconds to say so, then the workers are ended."""
+    import multiprocessing
+
+    pool.shutdown(wait=False, cancel_futures=True)
+    workers = multiprocessing.active_children()
+    for proc in workers:
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGINT)  # again, if the terminal's SIGINT reached them already: harmless
+    deadline = time.monotonic() + grace
+    for proc in workers:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
 
 
 def write_report(study: Study) -> Path:
@@ -580,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sweep] {len(study.cells)} cells, all valid ({study.folder})", file=sys.stderr)
             return 0
         outcome = run_study(study, shared, args.workers, ray_address=args.ray_address)
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped (interrupt); finished cells are kept, the same command runs the rest",
+              file=sys.stderr)
+        return 130
     except USER_ERRORS as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return exit_code(err)

@@ -93,8 +93,11 @@ def test_events_push_a_new_round_without_a_reload(results):
             events = stream.iter_lines()
 
             def next_runs():
+                kind = None
                 for line in events:
-                    if line.startswith("data: "):
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                    elif line.startswith("data: ") and kind == "runs":  # (a "studies" event follows each)
                         return {r["id"]: r for r in json.loads(line[6:])}
 
             assert next_runs()["0/live"]["round"] == 1

@@ -163,3 +163,45 @@ def test_an_invalid_value_shows_the_message_and_launches_nothing(browser, tmp_pa
         assert "#/launch" in browser.current_url
         assert not results.exists() or not any(results.iterdir())
         shots(browser, "invalid", top=False)
+
+
+def test_launch_a_study_and_watch_its_table_fill(browser, tmp_path, shots):
+    from test_dashboard_studies import study_file
+
+    results = tmp_path / "results"
+    path = study_file(tmp_path, rounds=3)  # 2 variants x 2 seeds, 3 rounds each
+    with live_server([results]) as base:
+        browser.get(f"{base}/#/launch-study")
+        wait_for(lambda: browser.find_elements(By.ID, "study-file-pick"), 30, "the study form")
+        Select(browser.find_element(By.ID, "study-file-pick")).select_by_value("")
+        browser.find_element(By.ID, "study-file-path").send_keys(str(path))
+        browser.find_element(By.ID, "study-workers").send_keys("1")
+        browser.find_element(By.ID, "study-check").click()
+        wait_for(lambda: "4 cells, all valid" in text(browser, "study-command"), 30, "the check")
+        no_reload_marker(browser)
+        browser.find_element(By.ID, "study-launch").click()
+        wait_for(lambda: "#/study/0%2Fsweeps%2Ftiny" in browser.current_url, 30, "the study's page")
+        seen = set()
+
+        def finished():
+            seen.add(text(browser, "study-progress"))
+            return text(browser, "study-state") == "finished"
+
+        wait_for(finished, 180, "the study to finish on its page", interval=0.05)
+        assert same_document(browser)  # live: the page was never reloaded
+        assert text(browser, "study-progress") == "4 of 4 cells finished"
+        assert len(seen) >= 2  # it showed progress on the way
+        wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#study-groups-table tbody tr")) == 2, 30,
+                 "the table over seeds")
+        groups = [r.text.split()[0] for r in browser.find_elements(By.CSS_SELECTOR, "#study-groups-table tbody tr")]
+        assert groups == ["fedavg", "fedprox"]
+        cells = browser.find_elements(By.CSS_SELECTOR, "#study-cells-table tbody tr")
+        assert len(cells) == 4 and all("finished" in c.text for c in cells)
+        traces = browser.execute_script("return document.getElementById('study-curves').data.length")
+        assert traces == 4  # a mean line and a ± std band per group
+        assert not browser.find_element(By.ID, "study-stop").is_enabled()
+        shots(browser, "study")
+        browser.get(f"{base}/#/")
+        wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#studies-table tbody tr"), 30, "the studies table")
+        row = browser.find_element(By.CSS_SELECTOR, "#studies-table tbody tr").text
+        assert row.startswith("tiny finished 4 / 4")

@@ -26,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from fedaccel.compare import assign_run_labels, group_by_seed, groups_table, load_runs, runs_table, target_note
-from fedaccel.dashboard import runs as runs_mod
+from fedaccel.dashboard import runs as runs_mod, studies as studies_mod
 from fedaccel.dashboard.flower_runs import flower_runs
 from fedaccel.dashboard.launcher import ENGINES, Launcher, flower_connections
 from fedaccel.dashboard.schema import FormError, form_schema, run_config_tokens, validate
+from fedaccel.local_run import project_dir
 from fedaccel.results import cumulative_mb
 
 STATIC = files("fedaccel.dashboard") / "static"
@@ -111,17 +112,23 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
 
     @app.get("/api/events")
     async def events(request: Request) -> StreamingResponse:
-        """Server-Sent Events: a ``runs`` event with every run's overview
-        whenever a run's files change (and at once on connecting)."""
+        """Server-Sent Events: a ``runs`` event with every run's overview and
+        a ``studies`` event with every study's, whenever a run's or a study's
+        files change (and at once on connecting)."""
+
+        def changes() -> tuple:
+            return runs_mod.fingerprint(roots), studies_mod.fingerprint(roots)
 
         async def stream():
             last = None
             while not await request.is_disconnected():
-                current = await asyncio.to_thread(runs_mod.fingerprint, roots)
+                current = await asyncio.to_thread(changes)
                 if current != last:
                     last = current
                     payload = await asyncio.to_thread(runs_mod.snapshot, roots)
                     yield f"event: runs\ndata: {json.dumps(payload)}\n\n"
+                    payload = await asyncio.to_thread(studies_mod.snapshot, roots)
+                    yield f"event: studies\ndata: {json.dumps(payload)}\n\n"
                 await asyncio.sleep(poll_seconds)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
@@ -135,6 +142,59 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
             return _error(f"no run {body.get('id')!r}", 404)
         try:
             done = await asyncio.to_thread(launcher.stop, path)
+        except FormError as err:
+            return _error(str(err), 409)
+        return JSONResponse({"ok": True, "message": done})
+
+    # ---------------------------------------------------------------- studies
+    @app.get("/api/studies")
+    def list_studies() -> dict[str, Any]:
+        return {"studies": studies_mod.snapshot(roots),
+                "files": studies_mod.study_files(project_dir()), "results_dir": str(roots[0] / "sweeps")}
+
+    @app.get("/api/study/{study_id:path}")
+    def study_page(study_id: str) -> Response:
+        path = studies_mod.resolve_study(roots, study_id)
+        if path is None:
+            return _error(f"no study {study_id!r} under {', '.join(map(str, roots))}", 404)
+        head, _, rel = study_id.partition("/")
+        return JSONResponse(studies_mod.study_detail(runs_mod.RunRef(int(head), rel), path))
+
+    def _study_request(body: dict) -> tuple[str, int | None]:
+        workers = body.get("workers")
+        if workers in (None, ""):
+            return str(body.get("file") or ""), None
+        try:
+            return str(body.get("file") or ""), int(workers)
+        except (TypeError, ValueError):
+            raise FormError(f"workers={workers!r}: must be a whole number >= 1", "workers") from None
+
+    @app.post("/api/study/validate")
+    async def check_study(request: Request) -> Response:
+        body = await _json(request)
+        try:
+            argv, folder, cells = await asyncio.to_thread(lambda: launcher.study_command(*_study_request(body)))
+        except FormError as err:
+            return _error(str(err), 400, err.key)
+        return JSONResponse({"ok": True, "argv": argv, "folder": str(folder), "cells": cells})
+
+    @app.post("/api/study/launch")
+    async def launch_study(request: Request) -> Response:
+        body = await _json(request)
+        try:
+            folder, argv = await asyncio.to_thread(lambda: launcher.launch_study(*_study_request(body)))
+        except FormError as err:
+            return _error(str(err), 400, err.key)
+        return JSONResponse({"ok": True, "id": f"0/{folder.relative_to(roots[0]).as_posix()}", "argv": argv})
+
+    @app.post("/api/study/stop")
+    async def stop_study(request: Request) -> Response:
+        body = await _json(request)
+        path = studies_mod.resolve_study(roots, str(body.get("id", "")))
+        if path is None:
+            return _error(f"no study {body.get('id')!r}", 404)
+        try:
+            done = await asyncio.to_thread(launcher.stop_study, path)
         except FormError as err:
             return _error(str(err), 409)
         return JSONResponse({"ok": True, "message": done})

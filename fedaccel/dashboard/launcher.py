@@ -6,6 +6,11 @@ cluster, a deployment), with the validated overrides as ``key=value``
 tokens, ``run-name`` set so the dashboard knows its folder, and its console
 captured to ``<run folder>/console.log``.
 
+A launched study is ``fedaccel-sweep FILE --results-dir <first root>/sweeps``
+(its console in ``<study folder>/console.log``); stopping it sends SIGINT to
+its process group: no cell starts any more, the running cells record
+``stopped``, and the same study launched again resumes it.
+
 Stopping: a fast-runner run gets SIGINT (it records ``stopped`` in its
 ``status.json`` and exits 130); a Flower run is stopped through Flower's
 Control API (``flwr stop RUN_ID CONNECTION``), whose id the ServerApp wrote
@@ -31,6 +36,7 @@ from typing import Any
 
 from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, STOP_FILE, load_launch
 from fedaccel.dashboard.schema import FormError, run_config_tokens
+from fedaccel.dashboard.studies import STUDY_LAUNCH_FILE, sweep_process
 from fedaccel.local_run import project_dir
 from fedaccel.results import load_status
 
@@ -130,13 +136,7 @@ class Launcher:
         connection = (connection or flower_connections()[1]) if engine == "flower" else None
         argv, run_dir, run_config = self.command(overrides, engine, num_clients, connection)
         run_dir.mkdir(parents=True)
-        console = open(run_dir / CONSOLE_FILE, "w", encoding="utf-8")
-        console.write("$ " + " ".join(argv) + "\n")
-        console.flush()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(argv, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=os.getcwd(), env=env, start_new_session=True)
-        console.close()  # the child holds its own copy
+        process = self._start(argv, run_dir)
         launch = {"argv": argv, "engine": engine, "run-config": run_config,
                   "num-clients": num_clients if engine == "fast" else None,
                   "connection": connection,
@@ -187,6 +187,63 @@ class Launcher:
                 raise FormError("the run's process is gone already") from None
             return f"sent SIGINT to process {pid}"
         raise FormError("this run is not running here (it finished, or runs on another host)")
+
+    # ---------------------------------------------------------------- studies
+    def study_command(self, study_file: str, workers: int | None) -> tuple[list[str], Path, int]:
+        """The argument list that runs a study file, its folder and its cell
+        count; the file and every cell checked as ``fedaccel-sweep`` checks
+        them (:class:`FormError` with its message)."""
+        from fedaccel.errors import USER_ERRORS
+        from fedaccel.sweep import check_cells, load_study
+
+        if workers is not None and workers < 1:
+            raise FormError(f"workers={workers}: must be a whole number >= 1", "workers")
+        results = self.results_root / "sweeps"
+        try:
+            study, shared = load_study(study_file, str(results))
+            check_cells(study, shared)
+        except USER_ERRORS as err:
+            raise FormError(str(err), "study") from None
+        if sweep_process(study.folder) is not None:
+            raise FormError(f"the study {study.name} is running already ({study.folder})", "study")
+        argv = [sys.executable, "-m", "fedaccel.sweep", str(study.file), "--results-dir", str(results)]
+        return argv + (["--workers", str(workers)] if workers else []), study.folder, len(study.cells)
+
+    def launch_study(self, study_file: str, workers: int | None = None) -> tuple[Path, list[str]]:
+        argv, folder, _ = self.study_command(study_file, workers)
+        folder.mkdir(parents=True, exist_ok=True)
+        process = self._start(argv, folder)
+        _write_json(folder / STUDY_LAUNCH_FILE, {"argv": argv, "engine": "sweep", "study-file": study_file,
+                                           "pid": process.pid, "host": socket.gethostname(),
+                                           "started": time.time()})
+        return folder, argv
+
+    def stop_study(self, folder: Path) -> str:
+        """SIGINT to the process group of the sweep that runs ``folder`` here."""
+        process = sweep_process(folder)
+        if process is None:
+            raise FormError("this study is not running here (it finished, stopped, or runs on another host)")
+        pid = process["pid"]
+        try:
+            group = os.getpgid(pid)
+            if group == os.getpgid(0):  # never our own group (a sweep started beside the dashboard)
+                os.kill(pid, signal.SIGINT)
+            else:
+                os.killpg(group, signal.SIGINT)  # the sweep and its worker processes
+        except ProcessLookupError:
+            raise FormError("the study's process is gone already") from None
+        return f"sent SIGINT to the sweep (process {pid}) and its workers"
+
+    def _start(self, argv: list[str], folder: Path) -> subprocess.Popen:
+        """Start ``argv`` in its own session, its output to ``folder/console.log``."""
+        console = open(folder / CONSOLE_FILE, "w", encoding="utf-8")
+        console.write("$ " + " ".join(argv) + "\n")
+        console.flush()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(argv, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   cwd=os.getcwd(), env=env, start_new_session=True)
+        console.close()  # the child holds its own copy
+        return process
 
     def shutdown(self) -> None:
         """Stop every run this dashboard started and still runs."""

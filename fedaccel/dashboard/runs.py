@@ -41,14 +41,19 @@ class RunRef:
         return f"{self.root}/{self.rel}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an exited child not yet reaped, a
+    zombie, has ended: the dashboard's own launches are one until reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:  # Linux: the state after the command name in /proc/<pid>/stat
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def is_run_dir(path: Path) -> bool:
@@ -134,7 +139,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
         if launch is None:
             return "unknown", None
         pid = launch.get("pid")
-        if isinstance(pid, int) and launch.get("host") == socket.gethostname() and _pid_alive(pid):
+        if isinstance(pid, int) and launch.get("host") == socket.gethostname() and pid_alive(pid):
             return "starting", None
         last = [line for line in console_tail(path, 20) if line.strip()]
         errors = [line for line in last if "error" in line.lower()]
@@ -143,7 +148,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
     if state == "running" and _stop_confirmed(path):
         return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
     if state == "running" and status.get("host") == socket.gethostname() \
-            and isinstance(status.get("pid"), int) and not _pid_alive(status["pid"]):
+            and isinstance(status.get("pid"), int) and not pid_alive(status["pid"]):
         if (path / STOP_FILE).is_file():
             return "stopped", "stopped from the dashboard (flwr stop)"
         return "interrupted", "its process ended without recording why (killed?)"

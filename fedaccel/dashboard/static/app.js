@@ -1,9 +1,11 @@
-// fedaccel dashboard: one page, four views (#/, #/run/<id>, #/compare, #/launch),
-// drawn from the JSON API; live updates from Server-Sent Events (/api/events).
+// fedaccel dashboard: one page, six views (#/, #/run/<id>, #/study/<id>, #/compare,
+// #/launch, #/launch-study), drawn from the JSON API; live updates from
+// Server-Sent Events (/api/events).
 "use strict";
 
 const view = document.getElementById("view");
 let runs = [];            // the latest overview of every run (from /api/events)
+let studies = [];         // the latest overview of every study (fedaccel-sweep folders)
 let current = null;       // {name, id} of the view on screen
 let schemaCache = null;
 
@@ -54,6 +56,15 @@ function connect() {
     live.className = "live on";
     onRunsChanged();
   });
+  source.addEventListener("studies", (ev) => {
+    studies = JSON.parse(ev.data);
+    if (!current) return;
+    if (current.name === "runs") drawStudiesTable();
+    if (current.name === "study") {
+      const s = studies.find((x) => x.id === current.id);
+      if (s && (s.finished !== current.finished || s.state !== current.state)) loadStudy(current.id);
+    }
+  });
   source.onerror = () => { live.textContent = "reconnecting…"; live.className = "live"; };
 }
 
@@ -63,6 +74,11 @@ function onRunsChanged() {
   if (current.name === "run") {
     const r = runs.find((x) => x.id === current.id);
     if (r && (r.round !== current.round || r.state !== current.state)) loadRun(current.id);
+  }
+  if (current.name === "study") {  // a cell's round changed: its row in the cells table
+    const mine = runs.filter((r) => r.id.startsWith(current.id + "/cells/"));
+    const key = mine.map((r) => `${r.id}:${r.round}:${r.state}`).join(",");
+    if (key !== current.cellsKey) { current.cellsKey = key; loadStudy(current.id); }
   }
 }
 
@@ -82,10 +98,33 @@ function showRuns() {
         "accuracy", "time / round", "ETA"].map((h) => el("th", {}, h)))),
       el("tbody")),
     el("p", {id: "runs-empty", class: "hint"}),
+    el("h2", {}, "Studies (fedaccel-sweep)"),
+    el("div", {class: "toolbar"}, el("a", {class: "button", href: "#/launch-study"}, "Launch a study")),
+    el("table", {id: "studies-table"},
+      el("thead", {}, el("tr", {}, ["study", "state", "cells finished", "running", "failed / stopped", "ETA"]
+        .map((h) => el("th", {}, h)))),
+      el("tbody")),
+    el("p", {id: "studies-empty", class: "hint"}),
     el("h2", {}, "Flower runs"),
     el("div", {id: "flower"}, "…"));
   drawRunsTable();
+  drawStudiesTable();
   loadFlower();
+}
+
+function drawStudiesTable() {
+  const body = document.querySelector("#studies-table tbody");
+  if (!body) return;
+  const n = (s, k) => s.counts[k] || 0;
+  body.replaceChildren(...studies.map((s) => el("tr", {"data-id": s.id},
+    el("td", {}, el("a", {href: "#/study/" + encodeURIComponent(s.id)}, s.name)),
+    el("td", {class: "state-cell"}, badge(s.state)),
+    el("td", {class: "cells"}, `${s.finished} / ${s.cells}`),
+    el("td", {}, n(s, "running") + n(s, "starting")),
+    el("td", {}, `${n(s, "failed") + n(s, "interrupted")} / ${n(s, "stopped")}`),
+    el("td", {}, secs(s.eta_seconds)))));
+  document.getElementById("studies-empty").textContent = studies.length ? "" :
+    "No studies yet. Launch one, or run fedaccel-sweep configs/studies/<study>.yaml.";
 }
 
 function drawRunsTable() {
@@ -200,6 +239,118 @@ async function stopRun(id) {
   } catch (e) { msg.textContent = e.message; }
 }
 
+// ------------------------------------------------------------------ study
+function showStudy(id) {
+  current = {name: "study", id};
+  view.replaceChildren(el("p", {}, "loading…"));
+  loadStudy(id);
+}
+
+const tableOf = ([header, body], id) => el("table", {id},
+  el("thead", {}, el("tr", {}, header.map((h) => el("th", {}, h)))),
+  el("tbody", {}, body.map((row) => el("tr", {}, row.map((c) => el("td", {}, c))))));
+
+async function loadStudy(id) {
+  let d;
+  try { d = await api("/api/study/" + id.split("/").map(encodeURIComponent).join("/")); }
+  catch (e) { view.replaceChildren(el("p", {class: "error"}, e.message)); return; }
+  if (!current || current.name !== "study" || current.id !== id) return;
+  current.finished = d.finished; current.state = d.state;
+  const running = d.state === "running";
+  if (!document.getElementById("study-header") || current.drawn !== id) {
+    current.drawn = id;
+    view.replaceChildren(
+      el("div", {id: "study-header"},
+        el("h1", {}, d.name), el("span", {id: "study-state"}), el("span", {id: "study-progress", class: "round"}),
+        el("div", {class: "toolbar"},
+          el("button", {id: "study-stop", onclick: () => studyAction("/api/study/stop", {id})}, "Stop"),
+          el("button", {id: "study-resume", onclick: () =>
+            studyAction("/api/study/launch", {file: current.file})}, "Run the rest"))),
+      el("p", {id: "study-message", class: "hint"}),
+      el("p", {id: "study-file", class: "hint"}),
+      el("h2", {}, "Grouped over seeds (mean ± std, the table of fedaccel-compare --group-seeds)"),
+      el("div", {id: "study-groups"}),
+      el("div", {class: "plots"}, el("div", {id: "study-curves", class: "plot wide"})),
+      el("h2", {}, "Cells"), el("div", {id: "study-cells"}),
+      el("h2", {}, "Log (last lines)"), el("pre", {id: "study-log"}));
+  }
+  current.file = d.study_file;
+  document.getElementById("study-state").replaceChildren(badge(d.state));
+  document.getElementById("study-progress").textContent = `${d.finished} of ${d.cells} cells finished` +
+    (running && d.eta_seconds != null ? ` · ETA ${secs(d.eta_seconds)}` : "");
+  document.getElementById("study-stop").disabled = !running;
+  document.getElementById("study-resume").disabled = running || !d.study_file || d.state === "finished";
+  const fileNote = document.getElementById("study-file");  // the file's name; its path on hover
+  fileNote.textContent = (d.study_file ? `study file ${d.study_file.split("/").pop()}` : "") +
+    (d.report.length ? ` · report/: ${d.report.join(", ")}` : "");
+  fileNote.title = d.study_file || "";
+  document.getElementById("study-groups").replaceChildren(d.groups_table ?
+    el("div", {}, tableOf(d.groups_table, "study-groups-table"), el("p", {class: "hint"}, d.note || "")) :
+    el("p", {class: "hint"}, d.error || "No cell has finished yet."));
+  const traces = d.series.flatMap((s, i) => {
+    const color = `hsl(${(i * 67) % 360}, 60%, 45%)`;
+    const upper = s.mean.map((m, j) => m + s.std[j]), lower = s.mean.map((m, j) => m - s.std[j]);
+    return [
+      {x: s.rounds.concat([...s.rounds].reverse()), y: upper.concat([...lower].reverse()), fill: "toself",
+       fillcolor: color.replace("hsl", "hsla").replace(")", ", 0.15)"), line: {width: 0}, hoverinfo: "skip",
+       showlegend: false, name: s.label + " ± std"},
+      {x: s.rounds, y: s.mean, name: `${s.label} (${s.seeds.length} seed${s.seeds.length > 1 ? "s" : ""})`,
+       mode: "lines", line: {color}},
+    ];
+  });
+  Plotly.react("study-curves", traces, {...layout("Accuracy vs round, mean over seeds (band: ± std)", "accuracy"),
+    yaxis: {tickformat: ".0%"}, height: 360}, {displaylogo: false, responsive: true});
+  document.getElementById("study-cells").replaceChildren(el("table", {id: "study-cells-table"},
+    el("thead", {}, el("tr", {}, ["cell", "state", "round", "accuracy"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, d.cell_rows.map((c) => el("tr", {"data-name": c.name},
+      el("td", {}, c.id ? el("a", {href: "#/run/" + encodeURIComponent(c.id)}, c.name) : c.name),
+      el("td", {}, badge(c.state)), el("td", {class: "round"}, `${c.round ?? 0} / ${c.rounds ?? "?"}`),
+      el("td", {}, pct(c.accuracy)))))));
+  document.getElementById("study-log").textContent = (d.log || []).join("\n") || "–";
+}
+
+async function studyAction(path, body) {
+  const msg = document.getElementById("study-message");
+  try {
+    const r = await api(path, body);
+    msg.textContent = r.message || ("started: " + r.argv.join(" "));
+  } catch (e) { msg.textContent = e.message; }
+}
+
+async function showLaunchStudy() {
+  current = {name: "launch-study"};
+  const d = await api("/api/studies");
+  const file = el("select", {id: "study-file-pick"},
+    d.files.map((f) => el("option", {value: f.file}, f.name)), el("option", {value: ""}, "another file…"));
+  const other = el("input", {type: "text", id: "study-file-path", placeholder: "/path/to/study.yaml"});
+  const workers = el("input", {type: "number", id: "study-workers", min: 1, placeholder: "one per two cores"});
+  const error = el("p", {id: "study-form-error", class: "error"});
+  const command = el("pre", {id: "study-command", class: "hint"});
+  const body = () => ({file: file.value || other.value, workers: workers.value});
+  const submit = async (go) => {
+    error.textContent = ""; command.textContent = "";
+    try {
+      const r = await api(go ? "/api/study/launch" : "/api/study/validate", body());
+      if (go) location.hash = "#/study/" + encodeURIComponent(r.id);
+      else command.textContent = `${r.cells} cells, all valid, into ${r.folder}\n${r.argv.join(" ")}`;
+    } catch (e) { error.textContent = e.message; }
+  };
+  const form = el("form", {id: "study-form", onsubmit: (ev) => { ev.preventDefault(); submit(true); }},
+    el("h1", {}, "Launch a study"),
+    el("p", {class: "hint"}, `A grid of fast-runner runs from one study file (fedaccel-sweep; docs/sweeps.md), ` +
+      `into ${d.results_dir}. Launching a study that ran before runs only its unfinished cells.`),
+    el("div", {class: "field"}, el("label", {for: "study-file-pick"}, "study file"), file,
+      el("small", {}, "the project's configs/studies/, or another file")),
+    el("div", {class: "field"}, el("label", {for: "study-file-path"}, "other file"), other,
+      el("small", {}, "used when 'another file…' is picked")),
+    el("div", {class: "field"}, el("label", {for: "study-workers"}, "workers"), workers,
+      el("small", {}, "runs at once (fedaccel-sweep --workers)")),
+    error, command,
+    el("div", {class: "toolbar"}, el("button", {type: "button", id: "study-check", onclick: () => submit(false)},
+      "Check"), el("button", {type: "submit", id: "study-launch"}, "Launch")));
+  view.replaceChildren(form);
+}
+
 // ---------------------------------------------------------------- compare
 async function showCompare(params) {
   current = {name: "compare"};
@@ -222,15 +373,12 @@ async function showCompare(params) {
   let d;
   try { d = await api("/api/compare", {ids, group_seeds: group}); }
   catch (e) { document.getElementById("compare-result").replaceChildren(el("p", {class: "error"}, e.message)); return; }
-  const table = ([header, body], id) => el("table", {id},
-    el("thead", {}, el("tr", {}, header.map((h) => el("th", {}, h)))),
-    el("tbody", {}, body.map((row) => el("tr", {}, row.map((c) => el("td", {}, c))))));
   document.getElementById("compare-result").replaceChildren(
     el("div", {class: "plots"}, el("div", {id: "compare-rounds", class: "plot wide"}),
       el("div", {id: "compare-mb", class: "plot wide"})),
     d.groups_table ? el("h2", {}, "Grouped over seeds (mean ± std)") : "",
-    d.groups_table ? table(d.groups_table, "compare-groups") : "",
-    el("h2", {}, "Runs"), table(d.runs_table, "compare-table"), el("p", {class: "hint"}, d.note));
+    d.groups_table ? tableOf(d.groups_table, "compare-groups") : "",
+    el("h2", {}, "Runs"), tableOf(d.runs_table, "compare-table"), el("p", {class: "hint"}, d.note));
   const traces = (x) => d.series.map((s) => {
     const pts = s.rows.map((r, i) => [x === "round" ? r.round : s.cumulative_mb[i], r.accg])
       .filter(([, a]) => a !== null && a !== undefined);
@@ -347,9 +495,12 @@ function route() {
   const {path, params} = parseHash();
   document.querySelectorAll("nav a").forEach((a) => a.classList.remove("active"));
   if (path.startsWith("/run/")) showRun(decodeURIComponent(path.slice(5)));
+  else if (path.startsWith("/study/")) showStudy(decodeURIComponent(path.slice(7)));
+  else if (path === "/launch-study") { showLaunchStudy(); document.getElementById("nav-launch").classList.add("active"); }
   else if (path === "/compare") { showCompare(params); document.getElementById("nav-compare").classList.add("active"); }
   else if (path === "/launch") { showLaunch(params); document.getElementById("nav-launch").classList.add("active"); }
   else { showRuns(); document.getElementById("nav-runs").classList.add("active"); }
 }
 window.addEventListener("hashchange", route);
-fetch("/api/runs").then((r) => r.json()).then((d) => { runs = d.runs; route(); connect(); });
+Promise.all([fetch("/api/runs").then((r) => r.json()), fetch("/api/studies").then((r) => r.json())])
+  .then(([r, s]) => { runs = r.runs; studies = s.studies; route(); connect(); });
