@@ -15,10 +15,16 @@ A study file is YAML::
       lr: [0.01, 0.05]
       local-epochs: {linear: [1, 3], count: 3}      # 1, 2, 3
       weight-decay: {log: [1.0e-4, 1.0e-2], count: 3}  # 1e-4, 1e-3, 1e-2
+    random:                   # random search: count draws of these keys together
+      count: 8
+      seed: 0                 # of the draws: the same file gives the same cells
+      keys:
+        momentum: {uniform: [0.0, 0.9]}
+        batch-size: {choice: [16, 32]}
     seeds: [0, 1, 2]
 
-Its cells are every variant x every grid combination x every seed, in that
-order; each cell is a normal run of the fast runner (:func:`fedaccel.local_run.run_local`)
+Its cells are every variant x every grid combination x every random draw x
+every seed, in that order; each cell is a normal run of the fast runner (:func:`fedaccel.local_run.run_local`)
 with its own folder ``<results-dir>/<name>/cells/<cell>/``, whose name says
 the cell's keys. ``variants`` exist because a run refuses another
 algorithm's hyperparameters: ``fedprox.mu`` can only vary with
@@ -76,7 +82,7 @@ from flwr.common.config import flatten_dict
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
 
 PROG = "fedaccel-sweep"
-STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "seeds")
+STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "random", "seeds")
 RANGE_KINDS = ("linear", "log")
 PLACE_KEYS = ("results-dir", "run-name")  # where a cell is, not what it runs
 
@@ -155,6 +161,96 @@ def flatten_grid(grid: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def flatten_random(keys: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested tables of ``random.keys`` to dotted keys: a table of tables
+    (``fedprox: {mu: {...}}``) is nested, any other value a distribution."""
+    out: dict[str, Any] = {}
+    for key, value in keys.items():
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            out.update(flatten_random(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+RANDOM_KINDS = ("uniform", "log-uniform", "int-uniform", "choice")
+RANDOM_KEYS = ("count", "seed", "keys")
+
+
+def _draw(key: str, spec: Any, u: float) -> Any:
+    """One value of ``key`` from a uniform number ``u`` in [0, 1)."""
+    kind = next(iter(spec))
+    bounds = spec[kind]
+    if kind == "choice":
+        return bounds[int(u * len(bounds))]
+    low, high = bounds
+    if kind == "int-uniform":
+        return int(low) + int(u * (int(high) - int(low) + 1))  # both ends included
+    if kind == "uniform":
+        value = low + (high - low) * u
+    else:
+        value = math.exp(math.log(low) + (math.log(high) - math.log(low)) * u)
+    return float(f"{value:.4g}")  # the cell's name and its run config say the same value
+
+
+def _check_random_key(key: str, spec: Any) -> None:
+    if not (isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in RANDOM_KINDS):
+        raise ConfigError(f"random.keys.{key}: one of {{uniform: [low, high]}}, {{log-uniform: [low, high]}}, "
+                          f"{{int-uniform: [low, high]}} (both ends included) or {{choice: [a, b, ...]}}, "
+                          f"got {spec!r}")
+    kind, bounds = next(iter(spec.items()))
+    if kind == "choice":
+        if not isinstance(bounds, list) or not bounds:
+            raise ConfigError(f"random.keys.{key}: choice needs a non-empty list of values, got {bounds!r}")
+        return
+    numbers = isinstance(bounds, list) and len(bounds) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds)
+    if not numbers or bounds[0] > bounds[1]:
+        raise ConfigError(f"random.keys.{key}: {kind} needs [low, high] numbers with low <= high, got {bounds!r}")
+    if kind == "int-uniform" and not all(isinstance(b, int) for b in bounds):
+        raise ConfigError(f"random.keys.{key}: int-uniform needs whole numbers, got {bounds!r}")
+    if kind == "log-uniform" and bounds[0] <= 0:
+        raise ConfigError(f"random.keys.{key}: log-uniform needs low and high > 0, got {bounds!r}")
+
+
+def random_draws(spec: Any) -> list[dict[str, Any]]:
+    """``count`` distinct draws of the ``random`` keys together (random
+    search), seeded by ``seed`` (default 0): the same file gives the same
+    cells, so a random study resumes like a grid. Uses only
+    :meth:`random.Random.random`, whose stream Python keeps stable."""
+    import random
+
+    if spec is None:
+        return [{}]
+    if not isinstance(spec, dict) or set(spec) - set(RANDOM_KEYS) or "keys" not in spec or "count" not in spec:
+        raise ConfigError("random: a mapping {count: n, seed: s, keys: {key: {uniform: [low, high]}, ...}}, "
+                          f"got {spec!r}")
+    count, seed = spec["count"], spec.get("seed", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"random.count: must be an integer >= 1, got {count!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"random.seed: must be an integer, got {seed!r}")
+    keys = spec["keys"]
+    if not isinstance(keys, dict) or not keys:
+        raise ConfigError(f"random.keys: must map run-config keys to distributions, got {keys!r}")
+    keys = flatten_random(keys)
+    for key, dist in keys.items():
+        _check_random_key(key, dist)
+    rng = random.Random(seed)
+    draws: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _ in range(100 * count):
+        draw = {key: _draw(key, dist, rng.random()) for key, dist in keys.items()}
+        text = json.dumps(draw, sort_keys=True)
+        if text not in seen:  # without repeats: a repeated combination would be the same cell twice
+            seen.add(text)
+            draws.append(draw)
+            if len(draws) == count:
+                return draws
+    raise ConfigError(f"random: only {len(draws)} distinct draws found for count={count} "
+                      "(the choices and integer ranges allow fewer combinations): lower count")
+
+
 def value_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
@@ -170,12 +266,14 @@ def cell_name(overrides: dict[str, Any]) -> str:
     return text
 
 
-def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], seeds: list[Any]) -> list[Cell]:
+def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], seeds: list[Any],
+           draws: list[dict[str, Any]] | None = None) -> list[Cell]:
+    """Every variant x grid combination x random draw x seed, in that order."""
     cells, seen = [], set()
     for variant in variants:
-        for combo in product(*[values for _, values in grid]):
+        for combo, draw in product(product(*[values for _, values in grid]), draws or [{}]):
             for seed in seeds:
-                overrides = {**variant, **dict(zip([k for k, _ in grid], combo)), "seed": seed}
+                overrides = {**variant, **dict(zip([k for k, _ in grid], combo)), **draw, "seed": seed}
                 name = cell_name(overrides)
                 if name in seen:
                     raise ConfigError(f"two cells would run {name}: a variant and the grid set the same "
@@ -264,7 +362,11 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
     name = str(raw.get("name") or path.stem)
     if "/" in name or name in (".", ".."):
         raise ConfigError(f"{path}: name={name!r} must be a folder name")
-    cells = expand(variants, grid_values(raw.get("grid")), seeds)
+    grid, draws = grid_values(raw.get("grid")), random_draws(raw.get("random"))
+    both = sorted({k for k, _ in grid} & set(draws[0]))
+    if both:
+        raise ConfigError(f"{path}: {', '.join(both)} in both grid and random: give each key one of them")
+    cells = expand(variants, grid, seeds, draws)
     root = Path(results_dir or raw.get("results-dir")
                 or Path(str(shared.get("results-dir", "results"))) / "sweeps").expanduser()
     return Study(name, root / name, num_clients, cells, path.resolve()), shared

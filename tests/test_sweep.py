@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedaccel.config import ConfigError
-from fedaccel.sweep import Cell, cell_name, expand, load_study, main, range_values, run_study
+from fedaccel.sweep import Cell, cell_name, expand, load_study, main, random_draws, range_values, run_study
 
 TINY = {"num-server-rounds": 2, "clients-per-round": 2, "synthetic": {"max-samples": 60}}
 
@@ -127,6 +127,63 @@ def test_a_finished_cell_is_skipped_and_a_study_changed_under_it_is_refused(tmp_
     study, shared = load_study(changed)
     with pytest.raises(ConfigError, match=r"(?s)other settings than the study file now says.*seed=0 \(lr: 0.05 -> 0.5\)"):
         run_study(study, shared, workers=1)
+
+
+def test_random_draws_by_hand() -> None:
+    """Python's Random(0).random() starts 0.8444218515250481, 0.7579544029403025,
+    0.420571580830845, 0.25891675029296335: each draw takes one number per key,
+    in the keys' order; floats keep 4 significant digits."""
+    draws = random_draws({"count": 2, "keys": {
+        "lr": {"log-uniform": [1e-3, 1e-1]},        # 10 ** (-3 + 2 * 0.84442) = 0.048848...
+        "local-epochs": {"int-uniform": [1, 3]},    # 1 + int(0.75795 * 3) = 3
+    }})
+    assert draws == [{"lr": 0.04885, "local-epochs": 3}, {"lr": 0.006937, "local-epochs": 1}]
+    # 10 ** (-3 + 2 * 0.42057) = 0.0069369...; 1 + int(0.25892 * 3) = 1
+    assert random_draws({"count": 1, "keys": {"m": {"uniform": [0.0, 0.5]},
+                                              "b": {"choice": [16, 32, 64]}}}) == [{"m": 0.4222, "b": 64}]
+    # 0.5 * 0.84442 = 0.42221; [16, 32, 64][int(0.75795 * 3)] = 64
+    seeded = {"count": 3, "seed": 7, "keys": {"lr": {"uniform": [0.0, 1.0]}}}
+    assert random_draws(seeded) == random_draws(seeded) != random_draws({**seeded, "seed": 8})
+    assert random_draws(None) == [{}]
+
+
+def test_random_draws_never_repeat_and_say_when_they_cannot() -> None:
+    small = {"keys": {"b": {"choice": [16, 32]}, "e": {"int-uniform": [1, 3]}}}
+    draws = random_draws({**small, "count": 6})
+    assert sorted((d["b"], d["e"]) for d in draws) == [(b, e) for b in (16, 32) for e in (1, 2, 3)]
+    with pytest.raises(ConfigError, match="only 6 distinct draws found for count=7"):
+        random_draws({**small, "count": 7})
+
+
+def test_a_random_study_crosses_variants_draws_and_seeds(tmp_path) -> None:
+    path = write_study(tmp_path, variants=[{"algo": "fedavg"}, {"algo": "fedprox"}], seeds=[0, 1],
+                       random={"count": 2, "keys": {"fedprox": {"mu": {"log-uniform": [1e-3, 1.0]}}}})
+    with pytest.raises(ConfigError, match="fedprox.mu=0.3414: is a hyperparameter of algo=.fedprox."):
+        from fedaccel.sweep import check_cells
+        check_cells(*load_study(path))
+    path = write_study(tmp_path, variants=[{"algo": "fedprox"}], seeds=[0, 1], grid={"lr": [0.01, 0.1]},
+                       random={"count": 2, "keys": {"fedprox": {"mu": {"log-uniform": [1e-3, 1.0]}}}})
+    study, _ = load_study(path)
+    assert [c.name for c in study.cells] == [  # variant x grid x draw x seed
+        f"algo=fedprox,lr={lr},fedprox.mu={mu},seed={seed}"
+        for lr in (0.01, 0.1) for mu in (0.3414, 0.1879) for seed in (0, 1)]
+
+
+@pytest.mark.parametrize("text, wanted", [
+    ("random: {count: 2, keys: {lr: {gauss: [0.1, 0.2]}}}\n", "random.keys.lr: one of {uniform: [low, high]}"),
+    ("random: {count: 2, keys: {lr: {log-uniform: [0, 1]}}}\n", "log-uniform needs low and high > 0"),
+    ("random: {count: 2, keys: {lr: {uniform: [1, 0]}}}\n", "uniform needs [low, high] numbers with low <= high"),
+    ("random: {count: 2, keys: {e: {int-uniform: [1, 2.5]}}}\n", "int-uniform needs whole numbers"),
+    ("random: {count: 0, keys: {lr: {uniform: [0, 1]}}}\n", "random.count: must be an integer >= 1"),
+    ("random: {keys: {lr: {uniform: [0, 1]}}}\n", "random: a mapping {count: n, seed: s, keys:"),
+    ("grid: {lr: [0.1]}\nrandom: {count: 1, keys: {lr: {uniform: [0, 1]}}}\n", "lr in both grid and random"),
+])
+def test_malformed_random_sections_get_one_line(tmp_path, capsys, text, wanted) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: ") and wanted in err and "\n" not in err
 
 
 @pytest.mark.parametrize("text, wanted", [
