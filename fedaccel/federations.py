@@ -49,6 +49,14 @@ def install(path: Path, set_default: bool = True) -> Path:
     return write_flower_config(config)
 
 
+def installed_connections() -> dict[str, dict[str, Any]]:
+    """The SuperLink connections of $FLWR_HOME/config.toml, by name."""
+    from flwr.cli.flower_config import read_flower_config
+
+    config, _ = read_flower_config()
+    return {k: v for k, v in config.get("superlink", {}).items() if isinstance(v, dict)}
+
+
 def set_size(profile: str, num_supernodes: int) -> Path:
     """Set an installed simulation profile's ``num-supernodes`` in
     $FLWR_HOME/config.toml, keeping its other options (backend, CPU/GPU per

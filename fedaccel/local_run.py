@@ -42,6 +42,19 @@ def default_run_config(app_dir: Path | None = None) -> dict[str, Any]:
     return flatten_dict(config["tool"]["flwr"]["app"]["config"])
 
 
+def toml_value(value: Any) -> str:
+    """A value as ``--run-config`` takes it (strings quoted, TOML)."""
+    import tomli_w
+
+    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
+
+
+def run_config_tokens(overrides: dict[str, Any]) -> list[str]:
+    """``key=value`` tokens, one per override, for ``fedaccel-run`` or
+    ``flwr run --run-config`` (the dashboard's launches, a sweep's Flower cells)."""
+    return [f"{key}={toml_value(value)}" for key, value in overrides.items()]
+
+
 def _parse_value(text: str) -> Any:
     try:
         return tomli.loads(f"v = {text}")["v"]

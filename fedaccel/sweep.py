@@ -64,6 +64,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -545,6 +546,76 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
         ray.shutdown()
 
 
+def check_federation(connection: str, num_clients: int) -> None:
+    """Refuse, before any cell runs, a connection Flower does not know and a
+    simulation whose SuperNodes are not the study's ``num-clients``."""
+    from fedaccel.federations import installed_connections
+
+    try:
+        connections = installed_connections()
+    except Exception as err:  # no or a broken $FLWR_HOME/config.toml
+        raise ConfigError(f"--federation {connection}: cannot read Flower's config.toml ({err}); "
+                          "run fedaccel-federations install") from None
+    if connection not in connections:
+        raise ConfigError(f"--federation {connection}: not a SuperLink connection of Flower's config.toml "
+                          f"(there: {', '.join(sorted(connections)) or 'none'}); run fedaccel-federations install")
+    nodes = connections[connection].get("options", {}).get("num-supernodes")
+    if connections[connection].get("address") == ":local:" and nodes != num_clients:
+        raise ConfigError(f"--federation {connection}: its simulation has {nodes} SuperNodes, the study's "
+                          f"num-clients is {num_clients}: run fedaccel-federations size {connection} "
+                          f"{num_clients} (or set num-clients: {nodes} in the study)")
+
+
+_RUN_ID = re.compile(r"run_id `(\d+)`|started run (\d+)")
+
+
+def _run_cell_on_flower(config: dict[str, Any], connection: str) -> tuple[str, float, str | None]:
+    """One cell as ``flwr run <project> <connection> --stream``: its keys that
+    differ from the defaults (and where it writes) as ``--run-config``, its
+    console to ``<cell>/console.log``. Interrupted (Ctrl-C, the dashboard's
+    stop), it asks Flower to stop the run (``flwr stop``) before it goes."""
+    from fedaccel.local_run import project_dir, run_config_tokens
+
+    defaults = default_run_config()
+    keys = {k: v for k, v in config.items() if k in PLACE_KEYS or k == "resume" or defaults.get(k) != v}
+    # the ServerApp resolves a relative results-dir against its own working folder
+    keys["results-dir"] = str(Path(config["results-dir"]).resolve())
+    run_dir = Path(keys["results-dir"]) / config["run-name"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    flwr = shutil.which("flwr") or str(Path(sys.executable).with_name("flwr"))
+    argv = [flwr, "run", str(project_dir()), connection, "--run-config", " ".join(run_config_tokens(keys)),
+            "--stream"]
+    start = time.perf_counter()
+    run_id = None
+    lines: list[str] = []
+    with open(run_dir / "console.log", "w", encoding="utf-8") as console:
+        console.write("$ " + " ".join(argv) + "\n")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            for line in proc.stdout:
+                console.write(line)
+                console.flush()
+                lines.append(line.rstrip())
+                match = None if run_id else _RUN_ID.search(line)
+                if match:
+                    run_id = match.group(1) or match.group(2)
+            proc.wait()
+        except KeyboardInterrupt:
+            if run_id:
+                subprocess.run([flwr, "stop", run_id, connection], capture_output=True, timeout=60)
+            proc.terminate()
+            proc.wait(timeout=30)
+            raise
+    took = time.perf_counter() - start
+    if finished(run_dir):
+        return config["run-name"], took, None
+    said = [ln for ln in lines if "error" in ln.lower() or "invalid" in ln.lower() or "stopped" in ln.lower()]
+    return config["run-name"], took, (said[-1].strip() if said else
+                                      f"flwr run ended without results (exit {proc.returncode}); "
+                                      f"see {run_dir / 'console.log'}")
+
+
 def default_workers() -> int:
     """One worker per two cores (a run already uses two threads well)."""
     return max(1, (os.cpu_count() or 1) // 2)
@@ -558,14 +629,17 @@ def _eta(seconds: list[float], remaining: int, workers: int) -> str:
 
 
 def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
-              out=sys.stderr, ray_address: str | None = None) -> dict[str, Any]:
+              out=sys.stderr, ray_address: str | None = None, federation: str | None = None) -> dict[str, Any]:
     """Run every unfinished cell (``workers`` processes; 1: in this process;
-    or as tasks on the Ray cluster at ``ray_address``), then write the
+    as tasks on the Ray cluster at ``ray_address``; or one after another as
+    ``flwr run`` on the SuperLink connection ``federation``), then write the
     report. Returns counts and the failed cells' errors."""
     configs = check_cells(study, shared)
+    if federation:
+        check_federation(federation, study.num_clients)
     check_plan(study, configs)
     try:
-        return _run_planned(study, configs, workers, out, ray_address)
+        return _run_planned(study, configs, workers, out, ray_address, federation)
     finally:  # the plan no longer names a live process (fedaccel-dashboard reads it)
         _release_plan(study.folder / "plan.json")
 
@@ -581,7 +655,7 @@ def _release_plan(plan_path: Path) -> None:
 
 
 def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | None, out: Any,
-                 ray_address: str | None) -> dict[str, Any]:
+                 ray_address: str | None, federation: str | None = None) -> dict[str, Any]:
     cells_dir = study.folder / "cells"
     todo = []
     for config in configs:
@@ -594,9 +668,10 @@ def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | Non
             shutil.rmtree(run_dir)
         todo.append(config)
     done_before = len(configs) - len(todo)
-    workers = max(1, min(workers or default_workers(), len(todo) or 1))
+    workers = 1 if federation else max(1, min(workers or default_workers(), len(todo) or 1))
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
-    where = (f"Ray at {ray_address}" if ray_address else f"{workers} worker{'s' if workers > 1 else ''}")
+    where = (f"Ray at {ray_address}" if ray_address else f"Flower ({federation}), one after another"
+             if federation else f"{workers} worker{'s' if workers > 1 else ''}")
     print(f"[sweep] {study.name}: {len(configs)} cells, {done_before} already finished, "
           f"{len(todo)} to run on {where} ({study.folder})", file=out, flush=True)
     failed: dict[str, str] = {}
@@ -613,6 +688,9 @@ def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | Non
 
     if ray_address and todo:
         _run_on_ray(ray_address, todo, study.num_clients, cells_dir, record)
+    elif federation:
+        for config in todo:
+            record(*_run_cell_on_flower(config, federation))
     elif workers == 1:
         for config in todo:
             record(*_run_cell(config, study.num_clients, None))
@@ -712,6 +790,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-address", default=None, metavar="ADDRESS",
                         help="run the cells as tasks on this Ray cluster ('auto': the one this machine "
                         "belongs to, host:port, or 'local': a Ray started for the sweep)")
+    parser.add_argument("--federation", default=None, metavar="CONNECTION",
+                        help="run each cell as `flwr run` on this SuperLink connection of Flower's config.toml "
+                        "(e.g. local-simulation), one after another; its ServerApp must write where this "
+                        "machine sees (docs/sweeps.md)")
     parser.add_argument("--dry-run", action="store_true", help="check and list the cells, run nothing")
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 1:
@@ -728,7 +810,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{cell.name}  ({state})")
             print(f"[sweep] {len(study.cells)} cells, all valid ({study.folder})", file=sys.stderr)
             return 0
-        outcome = run_study(study, shared, args.workers, ray_address=args.ray_address)
+        if args.federation and (args.ray_address or (args.workers or 1) > 1):
+            parser.error("--federation runs the cells one after another on Flower: drop --ray-address "
+                         "and --workers")
+        outcome = run_study(study, shared, args.workers, ray_address=args.ray_address,
+                            federation=args.federation)
     except KeyboardInterrupt:
         print(f"{PROG}: stopped (interrupt); finished cells are kept, the same command runs the rest",
               file=sys.stderr)

@@ -189,3 +189,37 @@ def test_flwr_run_sends_its_rows_to_mlflow(flwr_env, tmp_path):
     assert run.info.status == "FINISHED" and run.data.params["num-server-rounds"] == "4"
     assert history == expected_scalars(rows(run_dir))
     assert f"metrics also in MLflow run {run.info.run_id}" in out
+
+
+def test_a_sweep_runs_its_cells_on_flower(flwr_env, tmp_path):
+    """fedaccel-sweep --federation local-simulation: each cell a `flwr run`,
+    one after another, results in the cells' folders, the report over them;
+    a simulation whose size is not the study's num-clients is refused first."""
+    import yaml
+
+    study = {"name": "on-flower", "results-dir": str(tmp_path / "sweeps"), "num-clients": NUM_CLIENTS,
+             "base": {"num-server-rounds": 2, "clients-per-round": 3, "local-epochs": 1, "accl-every": 0,
+                      "synthetic": {"max-samples": 120}},
+             "variants": [{"algo": "fedavg"}, {"algo": "fedprox"}], "seeds": [0]}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    sweep = [sys.executable, "-m", "fedaccel.sweep", str(path), "--federation", "local-simulation"]
+    refused = subprocess.run(sweep, env=flwr_env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        f"fedaccel-sweep: error: --federation local-simulation: its simulation has 20 SuperNodes, the study's "
+        f"num-clients is {NUM_CLIENTS}: run fedaccel-federations size local-simulation {NUM_CLIENTS} "
+        f"(or set num-clients: 20 in the study)")
+    subprocess.run([sys.executable, "-m", "fedaccel.federations", "size", "local-simulation", str(NUM_CLIENTS)],
+                   env=flwr_env, check=True, capture_output=True)
+    done = subprocess.run(sweep, env=flwr_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "on Flower (local-simulation), one after another" in done.stderr
+    cells = tmp_path / "sweeps" / "on-flower" / "cells"
+    for name in ("algo=fedavg,seed=0", "algo=fedprox,seed=0"):
+        assert len(rows(cells / name)) == 2
+        assert json.loads((cells / name / "status.json").read_text())["engine"] == "flower"
+        assert "results written to" in (cells / name / "console.log").read_text()
+    assert (tmp_path / "sweeps" / "on-flower" / "report" / "groups.csv").is_file()
+    # run again: both cells are finished, nothing runs
+    again = subprocess.run(sweep, env=flwr_env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "2 already finished, 0 to run" in again.stderr

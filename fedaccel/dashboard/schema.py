@@ -17,10 +17,9 @@ import re
 from functools import cache
 from typing import Any
 
-import tomli_w
-
 from fedaccel.errors import USER_ERRORS
-from fedaccel.local_run import DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, project_dir
+from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, project_dir,
+                                run_config_tokens)
 from fedaccel.memory import require_memory
 from fedaccel.registry import all_algorithms, describe
 from fedaccel.run_config import CHOICES, parse_run_config
@@ -149,17 +148,6 @@ def validate(values: dict[str, Any], num_clients: int, engine: str = "fast") -> 
     except USER_ERRORS as err:
         raise FormError(str(err), _key_of(str(err))) from None
     return overrides
-
-
-def toml_value(value: Any) -> str:
-    """A value as ``--run-config`` takes it (strings quoted, TOML)."""
-    return tomli_w.dumps({"v": value}).partition("=")[2].strip()
-
-
-def run_config_tokens(overrides: dict[str, Any]) -> list[str]:
-    """``key=value`` tokens, one per override, for ``fedaccel-run`` or
-    ``flwr run --run-config``."""
-    return [f"{key}={toml_value(value)}" for key, value in overrides.items()]
 
 
 __all__ = ["FormError", "form_schema", "validate", "run_config_tokens", "value_of"]
