@@ -150,11 +150,14 @@ def test_launch_refuses_a_study_with_the_messages_of_fedaccel_sweep(tmp_path, re
 
 
 def test_the_project_study_files_are_offered_and_valid(client):
+    from fedaccel.local_run import project_dir
+
     listed = client.get("/api/studies").json()["files"]
-    assert [f["name"] for f in listed] == ["configs/studies/fedacg-gcfed.yaml", "configs/studies/fedcdr-table1.yaml",
-                                           "configs/studies/fedprox-mu.yaml"]
-    checked = client.post("/api/study/validate", json={"file": listed[2]["file"], "workers": 2}, headers=POST).json()
-    assert checked["cells"] == 12 and checked["argv"][1:4] == ["-m", "fedaccel.sweep", listed[2]["file"]]
+    shipped = sorted((project_dir() / "configs" / "studies").glob("*.yaml"))
+    assert [f["file"] for f in listed] == [str(p) for p in shipped] and len(shipped) >= 3
+    fedprox_mu = next(f["file"] for f in listed if f["name"] == "configs/studies/fedprox-mu.yaml")
+    checked = client.post("/api/study/validate", json={"file": fedprox_mu, "workers": 2}, headers=POST).json()
+    assert checked["cells"] == 12 and checked["argv"][1:4] == ["-m", "fedaccel.sweep", fedprox_mu]
     assert checked["argv"][-2:] == ["--workers", "2"]
 
 
