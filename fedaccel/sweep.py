@@ -62,7 +62,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -602,10 +601,14 @@ def _run_cell_on_flower(config: dict[str, Any], connection: str) -> tuple[str, f
                     run_id = match.group(1) or match.group(2)
             proc.wait()
         except KeyboardInterrupt:
-            if run_id:
-                subprocess.run([flwr, "stop", run_id, connection], capture_output=True, timeout=60)
+            if run_id:  # the run goes on on the SuperLink unless Flower is told
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run([flwr, "stop", run_id, connection], capture_output=True, timeout=60)
             proc.terminate()
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             raise
     took = time.perf_counter() - start
     if finished(run_dir):
@@ -717,16 +720,15 @@ def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | Non
 
 
 def _stop_workers(pool: ProcessPoolExecutor, grace: float = 5.0) -> None:
-    """Ctrl-C (or the dashboard's stop): no cell starts any more; the running
-    ones get SIGINT (each records ``stopped`` and its rows so far) and
-    ``grace`` seconds to say so, then the workers are ended."""
+    """Ctrl-C (or the dashboard's stop): no cell starts any more. The workers
+    share the sweep's process group, so the same SIGINT reached their running
+    cells (each records ``stopped`` with its rows so far; a second one here
+    could interrupt that recording); they get ``grace`` seconds, then any
+    worker still alive (a cell it took from the queue meanwhile) is ended."""
     import multiprocessing
 
     pool.shutdown(wait=False, cancel_futures=True)
     workers = multiprocessing.active_children()
-    for proc in workers:
-        with contextlib.suppress(OSError):
-            os.kill(proc.pid, signal.SIGINT)  # again, if the terminal's SIGINT reached them already: harmless
     deadline = time.monotonic() + grace
     for proc in workers:
         proc.join(max(0.0, deadline - time.monotonic()))

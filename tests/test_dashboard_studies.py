@@ -119,6 +119,17 @@ def test_study_states_from_its_process_and_cells(results, client):
     write_plan(done, ["a"], dead_pid())
     record_run(done / "cells", "a", 1, [0.5])
     assert study_row(client, "0/sweeps/done")["state"] == "finished"
+    # launched here, its sweep refused to start (no plan): failed, with the console's error
+    early = results / "sweeps" / "early"
+    early.mkdir()
+    (early / "sweep-launch.json").write_text(json.dumps({"pid": dead_pid(), "host": os.uname().nodename,
+                                                          "study-file": "/x/early.yaml"}))
+    (early / "console.log").write_text("$ python -m fedaccel.sweep /x/early.yaml\nfedaccel-sweep: error: "
+                                       "/x/early.yaml: no such study file\n")
+    row = study_row(client, "0/sweeps/early")
+    assert (row["state"], row["cells"], row["study_file"]) == ("failed", 0, "/x/early.yaml")
+    assert row["error"] == "fedaccel-sweep: error: /x/early.yaml: no such study file"
+    assert client.get("/api/study/0/sweeps/early").json()["error"] == row["error"]
     # a study's cells are runs too; a study id that escapes the roots is not a study
     assert any(r["id"] == "0/sweeps/done/cells/a" for r in client.get("/api/runs").json()["runs"])
     assert client.get("/api/study/0/../../etc").status_code == 404

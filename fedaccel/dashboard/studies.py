@@ -26,12 +26,23 @@ REPORT = "report"
 MAX_DEPTH = 3
 
 
+def is_study_dir(path: Path) -> bool:
+    """A study's folder: its sweep wrote ``plan.json``, or the dashboard
+    launched it (a sweep that fails before its plan shows with its console)."""
+    return (path / PLAN_FILE).is_file() or (path / STUDY_LAUNCH_FILE).is_file()
+
+
+def _mtime(path: Path) -> float:
+    return max((p.stat().st_mtime for p in (path / PLAN_FILE, path / STUDY_LAUNCH_FILE) if p.is_file()),
+               default=0.0)
+
+
 def find_studies(roots: list[Path]) -> Iterator[tuple[RunRef, Path]]:
-    """Every study folder (one holding ``plan.json``) under the roots."""
+    """Every study folder under the roots, newest first within a root."""
     for i, root in enumerate(roots):
-        found = [p.parent for depth in range(1, MAX_DEPTH + 1)
-                 for p in root.glob("/".join(["*"] * depth) + "/" + PLAN_FILE)]
-        for path in sorted(found, key=lambda p: (p / PLAN_FILE).stat().st_mtime, reverse=True):
+        found = {p.parent for depth in range(1, MAX_DEPTH + 1) for name in (PLAN_FILE, STUDY_LAUNCH_FILE)
+                 for p in root.glob("/".join(["*"] * depth) + "/" + name)}
+        for path in sorted(found, key=_mtime, reverse=True):
             yield RunRef(i, path.relative_to(root).as_posix()), path
 
 
@@ -42,7 +53,7 @@ def resolve_study(roots: list[Path], study_id: str) -> Path | None:
         return None
     root = roots[int(head)].resolve()
     path = (root / rel).resolve()
-    if root not in path.parents or not (path / PLAN_FILE).is_file():
+    if root not in path.parents or not is_study_dir(path):
         return None
     return path
 
@@ -96,9 +107,12 @@ def study_cells(ref: RunRef, path: Path, plan: dict[str, Any]) -> list[dict[str,
 
 def study_state(cells: list[dict[str, Any]], process: dict[str, Any] | None) -> str:
     """``running`` (its process is alive here), ``finished`` (every cell),
-    else how it ended: ``stopped``, ``failed`` or ``interrupted``."""
+    else how it ended: ``stopped``, ``failed`` (a cell did, or the sweep
+    before it planned any) or ``interrupted``."""
     if process is not None:
         return "running"
+    if not cells:
+        return "failed"
     states = [c["state"] for c in cells]
     if states and all(s == "finished" for s in states):
         return "finished"
@@ -123,9 +137,15 @@ def study_overview(ref: RunRef, path: Path, cells: list[dict[str, Any]] | None =
     running = max(1, counts.get("running", 0))
     eta = (statistics.fmean(took) * (len(cells) - done) / running
            if state == "running" and took and done < len(cells) else None)
-    return {"id": ref.id, "name": path.name, "path": str(path), "state": state,
+    error = None
+    if state == "failed" and not cells:  # launched here, ended before its plan: its console says why
+        said = [line for line in console_tail(path, 20) if line.strip()]
+        error = next((line for line in reversed(said) if "error" in line.lower()),
+                     said[-1] if said else "the sweep ended before it planned its cells")
+    return {"id": ref.id, "name": path.name, "path": str(path), "state": state, "error": error,
             "cells": len(cells), "finished": done, "counts": counts,
-            "study_file": plan.get("study-file"), "num_clients": plan.get("num-clients"),
+            "study_file": plan.get("study-file") or _read_object(path / STUDY_LAUNCH_FILE).get("study-file"),
+            "num_clients": plan.get("num-clients"),
             "eta_seconds": eta, "pid": (process or {}).get("pid")}
 
 

@@ -267,6 +267,7 @@ async function loadStudy(id) {
           el("button", {id: "study-resume", onclick: () =>
             studyAction("/api/study/launch", {file: current.file})}, "Run the rest"))),
       el("p", {id: "study-message", class: "hint"}),
+      el("p", {id: "study-error", class: "error"}),
       el("p", {id: "study-file", class: "hint"}),
       el("h2", {}, "Grouped over seeds (mean ± std, the table of fedaccel-compare --group-seeds)"),
       el("div", {id: "study-groups"}),
@@ -275,6 +276,7 @@ async function loadStudy(id) {
       el("h2", {}, "Log (last lines)"), el("pre", {id: "study-log"}));
   }
   current.file = d.study_file;
+  document.getElementById("study-error").textContent = d.error || "";
   document.getElementById("study-state").replaceChildren(badge(d.state));
   document.getElementById("study-progress").textContent = `${d.finished} of ${d.cells} cells finished` +
     (running && d.eta_seconds != null ? ` · ETA ${secs(d.eta_seconds)}` : "");
