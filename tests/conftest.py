@@ -14,3 +14,27 @@ def server_identity(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 1)
     monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+
+@pytest.fixture
+def results(tmp_path):
+    """An empty results folder (the dashboard tests' root)."""
+    root = tmp_path / "results"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def client(results):
+    """The dashboard's app over ``results``, through FastAPI's TestClient."""
+    import warnings
+
+    from fedaccel.dashboard.app import create_app
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # starlette's note about httpx versions
+        from fastapi.testclient import TestClient
+
+    app = create_app([results])
+    yield TestClient(app)
+    app.state.launcher.shutdown()

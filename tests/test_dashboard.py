@@ -27,20 +27,6 @@ from fedaccel.dashboard.app import create_app
 from fedaccel.dashboard.schema import form_schema
 
 
-@pytest.fixture
-def results(tmp_path):
-    root = tmp_path / "results"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def client(results):
-    app = create_app([results])
-    yield TestClient(app)
-    app.state.launcher.shutdown()
-
-
 def by_id(client, run_id):
     return next(r for r in client.get("/api/runs").json()["runs"] if r["id"] == run_id)
 

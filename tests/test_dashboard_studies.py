@@ -10,7 +10,6 @@ import json
 import os
 import statistics
 import sys
-import warnings
 
 import httpx
 import pytest
@@ -18,12 +17,6 @@ import pytest
 from dashboard_helpers import POST, dead_pid, live_server, record_run, wait_for
 from fedaccel.compare import group_by_seed, groups_table, load_runs
 from fedaccel.sweep import main as sweep_main
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # starlette's note about httpx versions
-    from fastapi.testclient import TestClient
-
-from fedaccel.dashboard.app import create_app
 
 TINY = """name: {name}
 num-clients: 4
@@ -44,20 +37,6 @@ def study_file(tmp_path, name="tiny", rounds=2, seeds="[0, 1]", extra=""):
     path = tmp_path / f"{name}.yaml"
     path.write_text(TINY.format(name=name, rounds=rounds, seeds=seeds) + extra)
     return path
-
-
-@pytest.fixture
-def results(tmp_path):
-    root = tmp_path / "results"
-    root.mkdir()
-    return root
-
-
-@pytest.fixture
-def client(results):
-    app = create_app([results])
-    yield TestClient(app)
-    app.state.launcher.shutdown()
 
 
 def study_row(client, study_id):
