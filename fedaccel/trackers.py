@@ -123,7 +123,12 @@ def open_tracker(tracker: str, tracker_uri: str, run_dir: Path, config: dict,
     require_tracker(tracker)
     if tracker == "tensorboard":
         log_dir = Path(tracker_uri).expanduser() / run_dir.name if tracker_uri else run_dir
-        return TensorBoardTracker(log_dir, config, rows_before)
+        try:
+            return TensorBoardTracker(log_dir, config, rows_before)
+        except OSError as err:
+            raise config_error("tracker-uri", tracker_uri, f"cannot write TensorBoard's files to {log_dir} "
+                               f"({err.strerror or err}); give a writable folder, or leave it empty for the "
+                               "run folder") from None
     uri = mlflow_uri(tracker_uri)
     try:
         return MlflowTracker(uri, run_dir, config, rows_before)
@@ -145,7 +150,7 @@ class TensorBoardTracker:
 
         log_dir.mkdir(parents=True, exist_ok=True)
         resumed_events = bool(rows_before) and any(log_dir.glob("events.out.tfevents.*"))
-        first_round = len(rows_before) + 1
+        first_round = rows_before[-1]["round"] + 1 if rows_before else 1
         # purge_step: TensorBoard hides what an earlier writer logged at steps >= it
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_round if resumed_events else None)
         self.log_dir = log_dir

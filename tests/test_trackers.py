@@ -277,3 +277,11 @@ def test_runs_in_parallel_share_one_new_mlflow_store(tmp_path):
     for i in range(3):
         _, run, history = mlflow_run(tmp_path / f"cell{i}")
         assert run.info.status == "FINISHED" and [s for s, _ in history["accg"]] == [1, 2, 3, 4, 5]
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert run_main([f"results-dir='{tmp_path / 'out'}'", "tracker='tensorboard'", f"tracker-uri='{blocker}'",
+                     *SMALL]) == 2
+    assert f"tracker-uri='{blocker}': cannot write TensorBoard's files to {blocker}/" in one_error_line(capsys)
