@@ -363,3 +363,62 @@ def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:
     assert main([str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fedaccel-sweep: error: ") and "is not a sweep plan (damaged?): delete it" in err
+
+
+def _bench_module(monkeypatch, name):
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "bench"))  # the scripts import bench/runner.py
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", root / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gradient_correction_runs(monkeypatch):
+    """`python bench/gradient_correction.py --seeds 0 1 2` (its main())."""
+    bench = _bench_module(monkeypatch, "gradient_correction")
+    args = bench.parse_args(["--seeds", "0", "1", "2"])
+    return [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
+            for m in (bench.MAIN + [a for a in bench.ABLATION if a not in bench.MAIN]
+                      if alpha in args.ablation_alphas else bench.MAIN)]
+
+
+def _fedpm_test2_runs(monkeypatch):
+    """The two commands of docs/fedpm.md's Test 2 table (its main())."""
+    bench = _bench_module(monkeypatch, "fedpm_test2")
+    runs = []
+    for argv in (["--seeds", "0"],
+                 ["--seeds", "0", "--alphas", "0.1", "--methods", "FedPM (lr 0.1)", "LocalNewton (lr 0.1)"]):
+        args = bench.parse_args(argv)
+        runs += [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
+                 for m in args.methods]
+    return runs
+
+
+@pytest.mark.parametrize("name,bench_runs", [("fedrkmgc-ablation", _gradient_correction_runs),
+                                             ("fedpm-test2", _fedpm_test2_runs)])
+def test_paper_study_cells_are_the_bench_scripts_runs(monkeypatch, tmp_path, name, bench_runs) -> None:
+    """Every cell's full run config is one of the runs the bench script made
+    the docs' table with (values and types), and every such run is a cell."""
+    from fedaccel.local_run import default_run_config, fuse
+    from fedaccel.sweep import PLACE_KEYS, check_cells
+
+    root = Path(__file__).resolve().parents[1]
+    study, shared = load_study(root / "configs" / "studies" / f"{name}.yaml", results_dir=str(tmp_path))
+    cells = check_cells(study, shared)
+    runs = bench_runs(monkeypatch)
+    defaults = default_run_config()
+
+    def comparable(config):
+        return json.dumps({k: [v, type(v).__name__] for k, v in config.items() if k not in PLACE_KEYS},
+                          sort_keys=True)
+
+    theirs = [comparable(fuse(defaults, run["overrides"])) for run in runs]
+    ours = [comparable(config) for config in cells]
+    assert len(set(theirs)) == len(theirs) == len(ours)
+    unmatched = [c.name for c, text in zip(study.cells, ours) if text not in theirs]
+    assert not unmatched, f"cells that are no run of the bench script: {unmatched}"
+    assert sorted(ours) == sorted(theirs)
+    assert {run["num_clients"] for run in runs} == {study.num_clients}
