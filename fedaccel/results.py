@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from fedaccel.processes import process_start
+
 __all__ = [
     "STANDARD_KEYS",
     "RunRecorder",
@@ -389,7 +391,8 @@ class RunRecorder:
             self.rows.append(row)
         self._metrics.flush()
         self._status = {"state": "running", "round": len(self.rows), "num_rounds": self.num_rounds,
-                        "pid": os.getpid(), "host": socket.gethostname(), "engine": engine,
+                        "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+                        "host": socket.gethostname(), "engine": engine,
                         "run_id": run_id, "started": time.time(), "updated": time.time(), "error": None}
         self._write_status()
 

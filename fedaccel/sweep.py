@@ -77,6 +77,7 @@ from typing import Any
 from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
+from fedaccel.processes import pid_alive, process_start
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -398,11 +399,13 @@ def check_cells(study: Study, shared: dict[str, Any]) -> list[dict[str, Any]]:
     return configs
 
 
-def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
+def check_plan(study: Study, configs: list[dict[str, Any]], write: bool = True) -> None:
     """Refuse to resume a study whose file changed under its finished cells,
     then record this plan (``plan.json``: every cell's full run config, the
     cells the study has now in its order, the study file and the process
-    that runs it: what fedaccel-dashboard reads)."""
+    that runs it: what fedaccel-dashboard reads). A study another sweep
+    process is running is refused. ``write=False`` only checks (the
+    dashboard, before it launches a study)."""
     plan_path = study.folder / "plan.json"
     planned = {cell.name: config for cell, config in zip(study.cells, configs)}
     old: dict[str, Any] = {}
@@ -413,6 +416,11 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
         except (ValueError, TypeError, AttributeError):
             raise ConfigError(f"{plan_path} is not a sweep plan (damaged?): delete it to run the study "
                               "again (finished cells are then trusted as they are)") from None
+        pid = old.get("pid")
+        if (isinstance(pid, int) and pid != os.getpid() and old.get("host") == socket.gethostname()
+                and pid_alive(pid, old.get("pid_start"))):
+            raise ConfigError(f"{study.folder} is being run by another fedaccel-sweep (process {pid}); "
+                              "wait for it to end, or stop it first (Ctrl-C there, or the dashboard's Stop)")
         changed = []
         for name, config in planned.items():
             before = old["cells"].get(name)
@@ -428,6 +436,8 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
             raise ConfigError(
                 f"{study.folder} holds finished cells that ran with other settings than the study file "
                 f"now says; give the study another name, or delete those cells' folders:\n" + "\n".join(changed))
+    if not write:
+        return
     # cells that left the study stay in the plan: if they come back, they are checked too
     cells = {**old.get("cells", {}), **planned}
     try:
@@ -435,7 +445,8 @@ def check_plan(study: Study, configs: list[dict[str, Any]]) -> None:
         tmp = plan_path.with_suffix(".tmp")
         plan = {"num-clients": study.num_clients, "cells": cells, "current": [c.name for c in study.cells],
                 "study-file": str(study.file) if study.file else None,
-                "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+                "pid": os.getpid(), "pid_start": process_start(os.getpid()), "host": socket.gethostname(),
+                "started": time.time()}
         tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
         tmp.replace(plan_path)
     except OSError as err:
@@ -730,10 +741,13 @@ def _stop_workers(pool: ProcessPoolExecutor, grace: float = 5.0) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     workers = multiprocessing.active_children()
     deadline = time.monotonic() + grace
-    for proc in workers:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.terminate()
+    try:
+        for proc in workers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    finally:  # a second Ctrl-C while waiting still ends them
+        for proc in workers:
+            if proc.is_alive():
+                proc.terminate()
 
 
 def write_report(study: Study) -> Path:

@@ -39,6 +39,7 @@ dropped; the run goes on and its own files stay complete.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import math
@@ -92,7 +93,7 @@ def require_tracker(tracker: str, tracker_uri: str = "") -> None:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT).close()
         except urllib.error.HTTPError:
             pass  # it answers (a proxy without /health): MLflow's own calls will tell
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, http.client.HTTPException) as err:  # HTTPException: not HTTP there
             reason = getattr(err, "reason", err)
             raise config_error("tracker-uri", tracker_uri, f"the MLflow tracking server at {uri} does not answer "
                                f"({reason}); start it (mlflow server), fix tracker-uri or $MLFLOW_TRACKING_URI, "
@@ -152,7 +153,10 @@ class TensorBoardTracker:
         resumed_events = bool(rows_before) and any(log_dir.glob("events.out.tfevents.*"))
         first_round = rows_before[-1]["round"] + 1 if rows_before else 1
         # purge_step: TensorBoard hides what an earlier writer logged at steps >= it
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_round if resumed_events else None)
+        # a run in a folder that holds another run's events (a sweep cell run again) hides them all
+        earlier = any(log_dir.glob("events.out.tfevents.*"))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=first_round if earlier else None)
+        self.last_round = first_round - 1
         self.log_dir = log_dir
         root = log_dir.parent.resolve()  # the results folder, or tracker-uri: every run beside this one
         self.where = f"TensorBoard: tensorboard --logdir {root}"
@@ -166,9 +170,10 @@ class TensorBoardTracker:
         for key, value in round_metrics(row).items():
             self.writer.add_scalar(key, value, global_step=row["round"])
         self.writer.flush()
+        self.last_round = row["round"]
 
     def close(self, state: str) -> None:
-        self.writer.add_text("state", state)
+        self.writer.add_text("state", state, global_step=self.last_round)  # a resumed run's end is later
         self.writer.close()
 
 
@@ -209,8 +214,15 @@ class MlflowTracker:
         else:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or MLFLOW_EXPERIMENT
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(name, artifact_location=artifacts))
+            if experiment is None:
+                try:
+                    experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
+                except Exception:  # another run created it meanwhile (a tracking server is not locked)
+                    experiment = self.client.get_experiment_by_name(name)
+                    if experiment is None:
+                        raise
+            if experiment is not None:
+                experiment_id = experiment.experiment_id
             self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
                                                  tags={"fedaccel.run_dir": str(run_dir)}).info.run_id
             params = [Param(key, str(value)) for key, value in sorted(config.items()) if key != "resolved"]

@@ -208,3 +208,29 @@ def test_stop_a_running_study_then_run_the_rest(tmp_path, results, workers):
         wait_for(lambda: (r := next(s for s in httpx.get(f"{base}/api/studies", timeout=30).json()["studies"]
                                     if s["id"] == "0/sweeps/tiny"))["state"] == "finished" and r,
                  120, "the relaunched study to finish")
+
+
+def test_a_reused_pid_is_not_the_study_process(results, client):
+    """A plan naming a live pid with another start time (the sweep died, the
+    pid now belongs to some other process) is not running: Stop has nothing
+    to signal."""
+    from fedaccel.processes import process_start
+
+    folder = results / "sweeps" / "old"
+    write_plan(folder, ["a"], os.getpid(), pid_start=(process_start(os.getpid()) or 0) + 1)
+    assert study_row(client, "0/sweeps/old")["state"] == "interrupted"
+    stop = client.post("/api/study/stop", json={"id": "0/sweeps/old"}, headers=POST)
+    assert stop.status_code == 409 and "not running here" in stop.json()["error"]
+
+
+def test_run_the_rest_uses_the_studys_own_file_and_folder(tmp_path, results, client):
+    path = study_file(tmp_path)
+    elsewhere = results / "elsewhere"
+    assert sweep_main([str(path), "--results-dir", str(elsewhere), "--workers", "1", "--dry-run"]) == 0
+    write_plan(elsewhere / "tiny", ["a"], dead_pid(), **{"study-file": str(path)})
+    checked = client.post("/api/study/validate", json={"id": "0/elsewhere/tiny"}, headers=POST).json()
+    assert checked["folder"] == str(elsewhere / "tiny") and checked["argv"][-2:] == ["--results-dir", str(elsewhere)]
+    # the file now names another study: not run into this folder
+    path.write_text(path.read_text().replace("name: tiny", "name: other"))
+    refused = client.post("/api/study/validate", json={"id": "0/elsewhere/tiny"}, headers=POST).json()
+    assert refused["error"].endswith("now names the study 'other', not 'tiny': launch it as a new study")

@@ -176,6 +176,7 @@ def test_flwr_run_resumes_from_a_checkpoint_to_the_same_model(flwr_env, tmp_path
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in rows(run_dir)] == whole_rows
 
 
+@pytest.mark.engine_matrix  # ~30-60 s of Flower start-up: with the engine matrix
 def test_flwr_run_sends_its_rows_to_mlflow(flwr_env, tmp_path):
     """tracker='mlflow' on Flower's simulation: the ServerApp's MLflow run
     holds every number of metrics.jsonl and the run config."""
@@ -191,6 +192,7 @@ def test_flwr_run_sends_its_rows_to_mlflow(flwr_env, tmp_path):
     assert f"metrics also in MLflow run {run.info.run_id}" in out
 
 
+@pytest.mark.engine_matrix  # ~30-60 s of Flower start-up: with the engine matrix
 def test_a_sweep_runs_its_cells_on_flower(flwr_env, tmp_path):
     """fedaccel-sweep --federation local-simulation: each cell a `flwr run`,
     one after another, results in the cells' folders, the report over them;

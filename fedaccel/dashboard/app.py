@@ -160,12 +160,23 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
         head, _, rel = study_id.partition("/")
         return JSONResponse(studies_mod.study_detail(runs_mod.RunRef(int(head), rel), path))
 
-    def _study_request(body: dict) -> tuple[str, int | None]:
+    def _study_request(body: dict) -> tuple[str, int | None, Path | None]:
+        """(study file, workers, folder): a new study from ``file``, or the
+        rest of the study ``id`` (its own file, into its own folder)."""
+        folder = None
+        study_file = str(body.get("file") or "")
+        if body.get("id"):
+            folder = studies_mod.resolve_study(roots, str(body["id"]))
+            if folder is None:
+                raise FormError(f"no study {body['id']!r}", "study")
+            study_file = studies_mod.study_overview(runs_mod.RunRef(0, ""), folder).get("study_file") or ""
+            if not study_file:
+                raise FormError("this study does not say which study file made it: launch the file", "study")
         workers = body.get("workers")
         if workers in (None, ""):
-            return str(body.get("file") or ""), None
+            return study_file, None, folder
         try:
-            return str(body.get("file") or ""), int(workers)
+            return study_file, int(workers), folder
         except (TypeError, ValueError):
             raise FormError(f"workers={workers!r}: must be a whole number >= 1", "workers") from None
 

@@ -38,6 +38,7 @@ from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, STOP_FILE, load_l
 from fedaccel.dashboard.schema import FormError, run_config_tokens
 from fedaccel.dashboard.studies import STUDY_LAUNCH_FILE, sweep_process
 from fedaccel.local_run import project_dir
+from fedaccel.processes import pid_alive, process_start
 from fedaccel.results import load_status
 
 ENGINES = ("fast", "flower")
@@ -140,7 +141,8 @@ class Launcher:
         launch = {"argv": argv, "engine": engine, "run-config": run_config,
                   "num-clients": num_clients if engine == "fast" else None,
                   "connection": connection,
-                  "pid": process.pid, "host": socket.gethostname(), "started": time.time()}
+                  "pid": process.pid, "pid_start": process_start(process.pid), "host": socket.gethostname(),
+                  "started": time.time()}
         _write_json(run_dir / LAUNCH_FILE, launch)
         launched = Launched(run_dir=run_dir, argv=argv, process=process)
         with self._lock:
@@ -179,43 +181,56 @@ class Launcher:
             os.killpg(launched.process.pid, signal.SIGINT)
             return "sent SIGINT to the fast runner"
         # running by its status.json, or launched and not recording yet
-        pid, host = (status or launch).get("pid"), (status or launch).get("host")
+        record = status or launch
+        pid, host = record.get("pid"), record.get("host")
         if isinstance(pid, int) and host == socket.gethostname():
+            if not pid_alive(pid, record.get("pid_start")):  # its pid may be another process's now
+                raise FormError("the run's process is gone already")
             try:
                 os.kill(pid, signal.SIGINT)
             except ProcessLookupError:
                 raise FormError("the run's process is gone already") from None
+            except PermissionError:
+                raise FormError(f"process {pid} belongs to another user: stop it there") from None
             return f"sent SIGINT to process {pid}"
         raise FormError("this run is not running here (it finished, or runs on another host)")
 
     # ---------------------------------------------------------------- studies
-    def study_command(self, study_file: str, workers: int | None) -> tuple[list[str], Path, int]:
+    def study_command(self, study_file: str, workers: int | None, folder: Path | None = None
+                      ) -> tuple[list[str], Path, int]:
         """The argument list that runs a study file, its folder and its cell
         count; the file and every cell checked as ``fedaccel-sweep`` checks
-        them (:class:`FormError` with its message)."""
+        them (:class:`FormError` with its message). New studies go to
+        ``<first root>/sweeps``; ``folder``: an existing study's, whose
+        unfinished cells are run (the file must still name that folder)."""
         from fedaccel.errors import USER_ERRORS
-        from fedaccel.sweep import check_cells, load_study
+        from fedaccel.sweep import check_cells, check_plan, load_study
 
         if workers is not None and workers < 1:
             raise FormError(f"workers={workers}: must be a whole number >= 1", "workers")
-        results = self.results_root / "sweeps"
+        results = folder.parent if folder is not None else self.results_root / "sweeps"
         try:
             study, shared = load_study(study_file, str(results))
-            check_cells(study, shared)
+            if folder is not None and study.folder.resolve() != folder.resolve():
+                raise FormError(f"{study_file} now names the study {study.name!r}, not {folder.name!r}: "
+                                "launch it as a new study", "study")
+            if sweep_process(study.folder) is not None:
+                raise FormError(f"the study {study.name} is running already ({study.folder})", "study")
+            check_plan(study, check_cells(study, shared), write=False)  # what the sweep would refuse
         except USER_ERRORS as err:
             raise FormError(str(err), "study") from None
-        if sweep_process(study.folder) is not None:
-            raise FormError(f"the study {study.name} is running already ({study.folder})", "study")
         argv = [sys.executable, "-m", "fedaccel.sweep", str(study.file), "--results-dir", str(results)]
         return argv + (["--workers", str(workers)] if workers else []), study.folder, len(study.cells)
 
-    def launch_study(self, study_file: str, workers: int | None = None) -> tuple[Path, list[str]]:
-        argv, folder, _ = self.study_command(study_file, workers)
-        folder.mkdir(parents=True, exist_ok=True)
-        process = self._start(argv, folder)
-        _write_json(folder / STUDY_LAUNCH_FILE, {"argv": argv, "engine": "sweep", "study-file": study_file,
-                                           "pid": process.pid, "host": socket.gethostname(),
-                                           "started": time.time()})
+    def launch_study(self, study_file: str, workers: int | None = None,
+                     folder: Path | None = None) -> tuple[Path, list[str]]:
+        with self._lock:  # checked and started as one step: a double click starts one sweep
+            argv, folder, _ = self.study_command(study_file, workers, folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            process = self._start(argv, folder)
+            _write_json(folder / STUDY_LAUNCH_FILE, {"argv": argv, "engine": "sweep", "study-file": study_file,
+                                                     "pid": process.pid, "pid_start": process_start(process.pid),
+                                                     "host": socket.gethostname(), "started": time.time()})
         return folder, argv
 
     def stop_study(self, folder: Path) -> str:
@@ -225,13 +240,14 @@ class Launcher:
             raise FormError("this study is not running here (it finished, stopped, or runs on another host)")
         pid = process["pid"]
         try:
-            group = os.getpgid(pid)
-            if group == os.getpgid(0):  # never our own group (a sweep started beside the dashboard)
+            if os.getpgid(pid) == pid:  # it leads its group (launched here, or a shell job): it and its workers
+                os.killpg(pid, signal.SIGINT)
+            else:  # started inside another group (a script): only the sweep, which ends its workers itself
                 os.kill(pid, signal.SIGINT)
-            else:
-                os.killpg(group, signal.SIGINT)  # the sweep and its worker processes
         except ProcessLookupError:
             raise FormError("the study's process is gone already") from None
+        except PermissionError:
+            raise FormError(f"the study's process {pid} belongs to another user: stop it there") from None
         return f"sent SIGINT to the sweep (process {pid}) and its workers"
 
     def _start(self, argv: list[str], folder: Path) -> subprocess.Popen:

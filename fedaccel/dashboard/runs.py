@@ -9,7 +9,6 @@ bookkeeping: every value is read from those files when asked.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from fedaccel.processes import pid_alive
 from fedaccel.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line, summarize
 
 #: how deep under a root run folders are looked for (sweeps: root/study/cells/run)
@@ -39,21 +39,6 @@ class RunRef:
     @property
     def id(self) -> str:
         return f"{self.root}/{self.rel}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (an exited child not yet reaped, a
-    zombie, has ended: the dashboard's own launches are one until reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    try:  # Linux: the state after the command name in /proc/<pid>/stat
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def is_run_dir(path: Path) -> bool:
@@ -139,7 +124,8 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
         if launch is None:
             return "unknown", None
         pid = launch.get("pid")
-        if isinstance(pid, int) and launch.get("host") == socket.gethostname() and pid_alive(pid):
+        if isinstance(pid, int) and launch.get("host") == socket.gethostname() \
+                and pid_alive(pid, launch.get("pid_start")):
             return "starting", None
         last = [line for line in console_tail(path, 20) if line.strip()]
         errors = [line for line in last if "error" in line.lower()]
@@ -148,7 +134,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
     if state == "running" and _stop_confirmed(path):
         return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
     if state == "running" and status.get("host") == socket.gethostname() \
-            and isinstance(status.get("pid"), int) and not pid_alive(status["pid"]):
+            and isinstance(status.get("pid"), int) and not pid_alive(status["pid"], status.get("pid_start")):
         if (path / STOP_FILE).is_file():
             return "stopped", "stopped from the dashboard (flwr stop)"
         return "interrupted", "its process ended without recording why (killed?)"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fedaccel.compare import group_by_seed, groups_table, load_runs, target_note
-from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, pid_alive, run_overview
+from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, run_overview
+from fedaccel.processes import pid_alive
 from fedaccel.results import SUMMARY_FILE, load_status
 
 PLAN_FILE = "plan.json"
@@ -72,7 +73,8 @@ def load_plan(path: Path) -> dict[str, Any]:
 
 def _alive(record: dict[str, Any] | None) -> bool:
     pid = (record or {}).get("pid")
-    return isinstance(pid, int) and record.get("host") == socket.gethostname() and pid_alive(pid)
+    return (isinstance(pid, int) and record.get("host") == socket.gethostname()
+            and pid_alive(pid, record.get("pid_start")))
 
 
 def sweep_process(path: Path, plan: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -125,9 +127,12 @@ def study_state(cells: list[dict[str, Any]], process: dict[str, Any] | None) -> 
 def study_overview(ref: RunRef, path: Path, cells: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One row of the studies table."""
     plan = load_plan(path)
+    launch = _read_object(path / STUDY_LAUNCH_FILE)
     cells = study_cells(ref, path, plan) if cells is None else cells
     process = sweep_process(path, plan)
-    state = study_state(cells, process)
+    # launched here after its last plan, and gone: the sweep refused to start (its console says why)
+    refused = process is None and float(launch.get("started") or 0) > float(plan.get("started") or 0)
+    state = "failed" if refused else study_state(cells, process)
     counts: dict[str, int] = {}
     for cell in cells:
         counts[cell["state"]] = counts.get(cell["state"], 0) + 1
@@ -138,13 +143,13 @@ def study_overview(ref: RunRef, path: Path, cells: list[dict[str, Any]] | None =
     eta = (statistics.fmean(took) * (len(cells) - done) / running
            if state == "running" and took and done < len(cells) else None)
     error = None
-    if state == "failed" and not cells:  # launched here, ended before its plan: its console says why
+    if refused or (state == "failed" and not cells):  # ended before it planned: its console says why
         said = [line for line in console_tail(path, 20) if line.strip()]
         error = next((line for line in reversed(said) if "error" in line.lower()),
                      said[-1] if said else "the sweep ended before it planned its cells")
     return {"id": ref.id, "name": path.name, "path": str(path), "state": state, "error": error,
             "cells": len(cells), "finished": done, "counts": counts,
-            "study_file": plan.get("study-file") or _read_object(path / STUDY_LAUNCH_FILE).get("study-file"),
+            "study_file": plan.get("study-file") or launch.get("study-file"),
             "num_clients": plan.get("num-clients"),
             "eta_seconds": eta, "pid": (process or {}).get("pid")}
 

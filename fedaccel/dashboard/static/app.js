@@ -253,7 +253,10 @@ const tableOf = ([header, body], id) => el("table", {id},
 async function loadStudy(id) {
   let d;
   try { d = await api("/api/study/" + id.split("/").map(encodeURIComponent).join("/")); }
-  catch (e) { view.replaceChildren(el("p", {class: "error"}, e.message)); return; }
+  catch (e) {
+    if (current && current.name === "study" && current.id === id) view.replaceChildren(el("p", {class: "error"}, e.message));
+    return;
+  }
   if (!current || current.name !== "study" || current.id !== id) return;
   current.finished = d.finished; current.state = d.state;
   const running = d.state === "running";
@@ -265,7 +268,7 @@ async function loadStudy(id) {
         el("div", {class: "toolbar"},
           el("button", {id: "study-stop", onclick: () => studyAction("/api/study/stop", {id})}, "Stop"),
           el("button", {id: "study-resume", onclick: () =>
-            studyAction("/api/study/launch", {file: current.file})}, "Run the rest"))),
+            studyAction("/api/study/launch", {id})}, "Run the rest"))),
       el("p", {id: "study-message", class: "hint"}),
       el("p", {id: "study-error", class: "error"}),
       el("p", {id: "study-file", class: "hint"}),
@@ -275,7 +278,6 @@ async function loadStudy(id) {
       el("h2", {}, "Cells"), el("div", {id: "study-cells"}),
       el("h2", {}, "Log (last lines)"), el("pre", {id: "study-log"}));
   }
-  current.file = d.study_file;
   document.getElementById("study-error").textContent = d.error || "";
   document.getElementById("study-state").replaceChildren(badge(d.state));
   document.getElementById("study-progress").textContent = `${d.finished} of ${d.cells} cells finished` +
