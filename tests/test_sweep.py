@@ -365,60 +365,75 @@ def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:
     assert err.startswith("fedaccel-sweep: error: ") and "is not a sweep plan (damaged?): delete it" in err
 
 
-def _bench_module(monkeypatch, name):
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(monkeypatch, name):
+    """A bench script as a module (as tests/test_configs.py imports them)."""
     import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root / "bench"))  # the scripts import bench/runner.py
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", root / "bench" / f"{name}.py")
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the scripts import bench/runner.py
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _gradient_correction_runs(monkeypatch):
-    """`python bench/gradient_correction.py --seeds 0 1 2` (its main())."""
-    bench = _bench_module(monkeypatch, "gradient_correction")
-    args = bench.parse_args(["--seeds", "0", "1", "2"])
+    """The runs of `python bench/gradient_correction.py` (main(), phase run, default arguments)."""
+    bench = _bench(monkeypatch, "gradient_correction")
+    args = bench.parse_args([])
     return [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
             for m in (bench.MAIN + [a for a in bench.ABLATION if a not in bench.MAIN]
                       if alpha in args.ablation_alphas else bench.MAIN)]
 
 
 def _fedpm_test2_runs(monkeypatch):
-    """The two commands of docs/fedpm.md's Test 2 table (its main())."""
-    bench = _bench_module(monkeypatch, "fedpm_test2")
-    runs = []
-    for argv in (["--seeds", "0"],
-                 ["--seeds", "0", "--alphas", "0.1", "--methods", "FedPM (lr 0.1)", "LocalNewton (lr 0.1)"]):
-        args = bench.parse_args(argv)
-        runs += [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
-                 for m in args.methods]
-    return runs
+    """The runs of `python bench/fedpm_test2.py` (main(), phase run, default arguments; not --phase lr)."""
+    bench = _bench(monkeypatch, "fedpm_test2")
+    args = bench.parse_args([])
+    assert args.phase == "run"
+    return [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
+            for m in args.methods]
 
 
 @pytest.mark.parametrize("name,bench_runs", [("fedrkmgc-ablation", _gradient_correction_runs),
                                              ("fedpm-test2", _fedpm_test2_runs)])
 def test_paper_study_cells_are_the_bench_scripts_runs(monkeypatch, tmp_path, name, bench_runs) -> None:
-    """Every cell's full run config is one of the runs the bench script made
-    the docs' table with (values and types), and every such run is a cell."""
+    """The study's cells are one-to-one the runs of its bench script's default
+    invocation: every cell's full run config equals exactly one script run's
+    (values and types, apart from where the run is written), every script run
+    is a cell, and the study runs as many clients as the script."""
     from fedaccel.local_run import default_run_config, fuse
     from fedaccel.sweep import PLACE_KEYS, check_cells
 
-    root = Path(__file__).resolve().parents[1]
-    study, shared = load_study(root / "configs" / "studies" / f"{name}.yaml", results_dir=str(tmp_path))
+    study, shared = load_study(ROOT / "configs" / "studies" / f"{name}.yaml", results_dir=str(tmp_path))
     cells = check_cells(study, shared)
     runs = bench_runs(monkeypatch)
     defaults = default_run_config()
 
-    def comparable(config):
-        return json.dumps({k: [v, type(v).__name__] for k, v in config.items() if k not in PLACE_KEYS},
-                          sort_keys=True)
+    def typed(config):
+        return {k: (v, type(v).__name__) for k, v in config.items() if k not in PLACE_KEYS}
 
-    theirs = [comparable(fuse(defaults, run["overrides"])) for run in runs]
-    ours = [comparable(config) for config in cells]
-    assert len(set(theirs)) == len(theirs) == len(ours)
-    unmatched = [c.name for c, text in zip(study.cells, ours) if text not in theirs]
-    assert not unmatched, f"cells that are no run of the bench script: {unmatched}"
-    assert sorted(ours) == sorted(theirs)
-    assert {run["num_clients"] for run in runs} == {study.num_clients}
+    ours = [typed(config) for config in cells]
+    theirs = [typed(fuse(defaults, run["overrides"])) for run in runs]
+
+    def closest(config, candidates):
+        """(differing keys, (ours, theirs) for each) against the nearest candidate."""
+        diffs = [{k: (config.get(k), other.get(k)) for k in sorted(set(config) | set(other))
+                  if config.get(k) != other.get(k)} for other in candidates]
+        return min(diffs, key=len) if diffs else {}
+
+    problems = []
+    for cell, config in zip(study.cells, ours):
+        matches = [run["name"] for run, other in zip(runs, theirs) if other == config]
+        if len(matches) != 1:
+            problems.append(f"cell {cell.name}: matches {len(matches)} script runs {matches}; nearest "
+                            f"differs in (cell, script): {closest(config, theirs)}")
+    for run, other in zip(runs, theirs):
+        if other not in ours:
+            problems.append(f"script run {run['name']} is no cell; nearest cell differs in "
+                            f"(cell, script): {closest(other, ours)}")
+    assert not problems, f"{name}: {len(cells)} cells, {len(runs)} script runs:\n" + "\n".join(problems)
+    assert len(cells) == len(runs)
+    assert {run["num_clients"] for run in runs} == {study.num_clients}, "num-clients differs from the script's"
