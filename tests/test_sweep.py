@@ -437,3 +437,26 @@ def test_paper_study_cells_are_the_bench_scripts_runs(monkeypatch, tmp_path, nam
     assert not problems, f"{name}: {len(cells)} cells, {len(runs)} script runs:\n" + "\n".join(problems)
     assert len(cells) == len(runs)
     assert {run["num_clients"] for run in runs} == {study.num_clients}, "num-clients differs from the script's"
+
+
+def test_a_study_another_live_sweep_runs_is_refused(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from fedaccel.processes import process_start
+
+    path = write_study(tmp_path, seeds=[0])
+    study, shared = load_study(path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        study.folder.mkdir(parents=True)
+        (study.folder / "plan.json").write_text(json.dumps({
+            "num-clients": 4, "cells": {}, "pid": other.pid, "pid_start": process_start(other.pid),
+            "host": __import__("socket").gethostname()}))
+        with pytest.raises(ConfigError, match=f"is being run by another fedaccel-sweep \\(process {other.pid}\\)"):
+            run_study(study, shared, workers=1, out=open("/dev/null", "w"))
+    finally:
+        other.kill()
+        other.wait()
+    # once it has ended, the same study runs
+    assert run_study(study, shared, workers=1, out=open("/dev/null", "w"))["failed"] == {}
