@@ -460,3 +460,17 @@ def test_a_study_another_live_sweep_runs_is_refused(tmp_path) -> None:
         other.wait()
     # once it has ended, the same study runs
     assert run_study(study, shared, workers=1, out=open("/dev/null", "w"))["failed"] == {}
+
+
+def test_an_unknown_federation_is_refused_before_any_cell(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))  # a Flower config with no fedaccel profiles
+    path = write_study(tmp_path, seeds=[0])
+    assert main([str(path), "--federation", "no-such-connection"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: --federation no-such-connection: not a SuperLink connection "
+                          "of Flower's config.toml") and err.endswith("run fedaccel-federations install")
+    assert "\n" not in err and not (tmp_path / "out" / "s" / "cells").exists()
+    with pytest.raises(SystemExit) as usage:  # argparse's usage error: cells on Flower run one at a time
+        main([str(path), "--federation", "x", "--workers", "2"])
+    assert usage.value.code == 2
+    assert "--federation runs the cells one after another on Flower" in capsys.readouterr().err
