@@ -365,18 +365,7 @@ def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:
     assert err.startswith("fedaccel-sweep: error: ") and "is not a sweep plan (damaged?): delete it" in err
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench(monkeypatch, name):
-    """A bench script as a module (as tests/test_configs.py imports them)."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the scripts import bench/runner.py
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_configs import ROOT, _bench  # noqa: E402  (a bench script as a module, one helper for both)
 
 
 def _gradient_correction_runs(monkeypatch):
