@@ -442,13 +442,11 @@ def check_plan(study: Study, configs: list[dict[str, Any]], write: bool = True) 
     cells = {**old.get("cells", {}), **planned}
     try:
         study.folder.mkdir(parents=True, exist_ok=True)
-        tmp = plan_path.with_suffix(".tmp")
-        plan = {"num-clients": study.num_clients, "cells": cells, "current": [c.name for c in study.cells],
-                "study-file": str(study.file) if study.file else None,
-                "pid": os.getpid(), "pid_start": process_start(os.getpid()), "host": socket.gethostname(),
-                "started": time.time()}
-        tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(plan_path)
+        _write_plan(plan_path, {
+            "num-clients": study.num_clients, "cells": cells, "current": [c.name for c in study.cells],
+            "study-file": str(study.file) if study.file else None,
+            "pid": os.getpid(), "pid_start": process_start(os.getpid()), "host": socket.gethostname(),
+            "started": time.time()})
     except OSError as err:
         raise ResultsDirError(f"cannot write the study's folder {study.folder} "
                               f"({err.strerror or err}): use another --results-dir") from None
@@ -658,14 +656,19 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
         _release_plan(study.folder / "plan.json")
 
 
+def _write_plan(plan_path: Path, plan: dict[str, Any]) -> None:
+    """Replace ``plan.json`` atomically (a reader never sees half of it)."""
+    tmp = plan_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(plan_path)
+
+
 def _release_plan(plan_path: Path) -> None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         plan = json.loads(plan_path.read_text(encoding="utf-8"))
         if plan.get("pid") == os.getpid():
             plan.update(pid=None, ended=time.time())
-            tmp = plan_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
-            tmp.replace(plan_path)
+            _write_plan(plan_path, plan)
 
 
 def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | None, out: Any,

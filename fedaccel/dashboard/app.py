@@ -169,7 +169,7 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
             folder = studies_mod.resolve_study(roots, str(body["id"]))
             if folder is None:
                 raise FormError(f"no study {body['id']!r}", "study")
-            study_file = studies_mod.study_overview(runs_mod.RunRef(0, ""), folder).get("study_file") or ""
+            study_file = studies_mod.study_file_of(folder) or ""
             if not study_file:
                 raise FormError("this study does not say which study file made it: launch the file", "study")
         workers = body.get("workers")

@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fedaccel.processes import pid_alive
 from fedaccel.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line, summarize
@@ -93,15 +93,16 @@ def find_runs(roots: list[Path]) -> Iterator[tuple[RunRef, Path]]:
             yield RunRef(i, path.relative_to(root).as_posix()), path
 
 
-def resolve(roots: list[Path], run_id: str) -> Path | None:
-    """The folder of ``run_id`` (``<root>/<relative path>``), or None; never
-    a path outside the roots."""
+def resolve(roots: list[Path], run_id: str, is_folder: Callable[[Path], bool] = is_run_dir) -> Path | None:
+    """The folder of ``run_id`` (``<root>/<relative path>``) when ``is_folder``
+    says it is one (a run's; a study's for studies.py), or None; never a path
+    outside the roots."""
     head, _, rel = run_id.partition("/")
     if not head.isdigit() or int(head) >= len(roots) or not rel:
         return None
     root = roots[int(head)].resolve()
     path = (root / rel).resolve()
-    if root not in path.parents or not is_run_dir(path):
+    if root not in path.parents or not is_folder(path):
         return None
     return path
 

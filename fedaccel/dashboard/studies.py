@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fedaccel.compare import group_by_seed, groups_table, load_runs, target_note
-from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, run_overview
+from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, resolve, run_overview
 from fedaccel.processes import pid_alive
 from fedaccel.results import SUMMARY_FILE, load_status
 
@@ -49,14 +49,7 @@ def find_studies(roots: list[Path]) -> Iterator[tuple[RunRef, Path]]:
 
 def resolve_study(roots: list[Path], study_id: str) -> Path | None:
     """The folder of ``study_id`` (``<root>/<relative path>``), never outside the roots."""
-    head, _, rel = study_id.partition("/")
-    if not head.isdigit() or int(head) >= len(roots) or not rel:
-        return None
-    root = roots[int(head)].resolve()
-    path = (root / rel).resolve()
-    if root not in path.parents or not is_study_dir(path):
-        return None
-    return path
+    return resolve(roots, study_id, is_study_dir)
 
 
 def _read_object(path: Path) -> dict[str, Any]:
@@ -69,6 +62,12 @@ def _read_object(path: Path) -> dict[str, Any]:
 
 def load_plan(path: Path) -> dict[str, Any]:
     return _read_object(path / PLAN_FILE)
+
+
+def study_file_of(path: Path, plan: dict[str, Any] | None = None) -> str | None:
+    """The study file the study was run (or launched here) from."""
+    plan = load_plan(path) if plan is None else plan
+    return plan.get("study-file") or _read_object(path / STUDY_LAUNCH_FILE).get("study-file")
 
 
 def _alive(record: dict[str, Any] | None) -> bool:
@@ -149,7 +148,7 @@ def study_overview(ref: RunRef, path: Path, cells: list[dict[str, Any]] | None =
                      said[-1] if said else "the sweep ended before it planned its cells")
     return {"id": ref.id, "name": path.name, "path": str(path), "state": state, "error": error,
             "cells": len(cells), "finished": done, "counts": counts,
-            "study_file": plan.get("study-file") or launch.get("study-file"),
+            "study_file": plan.get("study-file") or launch.get("study-file"),  # as study_file_of
             "num_clients": plan.get("num-clients"),
             "eta_seconds": eta, "pid": (process or {}).get("pid")}
 
