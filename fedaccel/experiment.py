@@ -25,6 +25,7 @@ from fedaccel.clients.state import state_run_dir
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import USER_ERRORS, CheckpointError, FederationError, ResultsDirError
 from fedaccel.memory import require_memory
+from fedaccel.processes import raise_if_stop_requested
 from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
 from fedaccel.results import RunRecorder
@@ -182,6 +183,7 @@ class Experiment:
         self.recorder.log_round(row)
         if self.cfg.checkpoint_every and server_round % self.cfg.checkpoint_every == 0:
             self.save_checkpoint(server_round, arrays)
+        raise_if_stop_requested()  # a Ctrl-C whose KeyboardInterrupt was lost: stop after this round
         return None if accg is None else MetricRecord({"accg": accg, "loss": loss})
 
     def save_checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:

@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num-clients must be >= 1")
 
     from fedaccel.errors import USER_ERRORS, exit_code
+    from fedaccel.processes import stop_on_sigint
 
     try:
         overrides = parse_overrides(args.overrides, args.run_config, args.config)
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_config = fuse(default_run_config(), overrides)
             num_clients = args.num_clients or DEFAULT_NUM_CLIENTS
-        run_local(run_config, num_clients=num_clients, quiet=args.quiet, verbose=args.verbose)
+        with stop_on_sigint():
+            run_local(run_config, num_clients=num_clients, quiet=args.quiet, verbose=args.verbose)
     except USER_ERRORS as err:  # one line, once, plain: the message says what to change
         print(f"fedaccel-run: error: {err}", file=sys.stderr)
         return exit_code(err)

@@ -77,7 +77,7 @@ from typing import Any
 from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
-from fedaccel.processes import pid_alive, process_start
+from fedaccel.processes import pid_alive, process_start, stop_on_sigint
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -484,7 +484,7 @@ def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> 
         torch.set_num_threads(threads)
     start = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the run's own "results written to" line
+        with contextlib.redirect_stdout(io.StringIO()), stop_on_sigint():  # stdout: the run's results line
             run_local(config, num_clients=num_clients, quiet=True)
     except USER_ERRORS as err:
         return config["run-name"], time.perf_counter() - start, str(err)
@@ -832,8 +832,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.federation and (args.ray_address or (args.workers or 1) > 1):
             parser.error("--federation runs the cells one after another on Flower: drop --ray-address "
                          "and --workers")
-        outcome = run_study(study, shared, args.workers, ray_address=args.ray_address,
-                            federation=args.federation)
+        with stop_on_sigint():
+            outcome = run_study(study, shared, args.workers, ray_address=args.ray_address,
+                                federation=args.federation)
     except KeyboardInterrupt:
         print(f"{PROG}: stopped (interrupt); finished cells are kept, the same command runs the rest",
               file=sys.stderr)

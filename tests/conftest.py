@@ -38,3 +38,14 @@ def client(results):
     app = create_app([results])
     yield TestClient(app)
     app.state.launcher.shutdown()
+
+
+@pytest.fixture
+def sigint_ignored():
+    """This process ignores SIGINT (as a script's background job does), and
+    so do the processes it starts; restored afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, previous)

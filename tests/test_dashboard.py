@@ -182,7 +182,9 @@ def test_launch_runs_it_and_the_runs_list_follows_it_to_the_end(results):
         assert again["key"] == "run-name" and "exists already" in again["error"]
 
 
-def test_stop_ends_a_fast_run_and_both_sides_say_stopped(results):
+def test_stop_ends_a_fast_run_and_both_sides_say_stopped(results, sigint_ignored):
+    # the dashboard runs as a script's background job would (SIGINT ignored, which its
+    # launches inherit): the stop button must stop them all the same
     with live_server([results]) as base:
         body = {"values": {"num-server-rounds": "500", "run-name": "long"}, "num_clients": 10}
         httpx.post(f"{base}/api/launch", json=body, headers=POST, timeout=30).raise_for_status()

@@ -142,7 +142,14 @@ def test_stop_a_running_run(browser, tmp_path, shots):
         wait_for(lambda: text(browser, "run-state") == "running", 120, "the run to be running")
         wait_for(lambda: browser.find_element(By.ID, "stop-button").is_enabled(), 30, "the stop button")
         browser.find_element(By.ID, "stop-button").click()
-        wait_for(lambda: text(browser, "run-state") == "stopped", 60, "the page to show it stopped")
+        wait_for(lambda: text(browser, "run-message"), 30, "the stop request's answer")
+        assert "SIGINT" in text(browser, "run-message"), text(browser, "run-message")
+        try:
+            wait_for(lambda: text(browser, "run-state") == "stopped", 60, "the page to show it stopped")
+        except AssertionError as err:  # say what the run did
+            status = (results / "long" / "status.json").read_text()
+            console = (results / "long" / "console.log").read_text()[-2000:]
+            raise AssertionError(f"{err}\nstatus.json: {status}\nconsole.log: {console}") from None
         assert not browser.find_element(By.ID, "stop-button").is_enabled()
         assert run_state(base, "0/long")["state"] == "stopped"
         shots(browser, "stopped")

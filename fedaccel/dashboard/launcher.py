@@ -38,7 +38,7 @@ from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, STOP_FILE, load_l
 from fedaccel.dashboard.schema import FormError, run_config_tokens
 from fedaccel.dashboard.studies import STUDY_LAUNCH_FILE, sweep_process
 from fedaccel.local_run import project_dir
-from fedaccel.processes import pid_alive, process_start
+from fedaccel.processes import SIGINT_STOPS_ENV, pid_alive, process_start
 from fedaccel.results import load_status
 
 ENGINES = ("fast", "flower")
@@ -178,6 +178,7 @@ class Launcher:
             if launched.stop_requested:
                 raise FormError("already asked to stop: it stops at the end of the current step")
             launched.stop_requested = True
+            _write_json(run_dir / STOP_FILE, {"requested": time.time(), "via": "SIGINT"})
             os.killpg(launched.process.pid, signal.SIGINT)
             return "sent SIGINT to the fast runner"
         # running by its status.json, or launched and not recording yet
@@ -255,7 +256,9 @@ class Launcher:
         console = open(folder / CONSOLE_FILE, "w", encoding="utf-8")
         console.write("$ " + " ".join(argv) + "\n")
         console.flush()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # its own session: no terminal's Ctrl-C reaches it, and the stop button's SIGINT must
+        # stop it even where this dashboard inherited SIGINT ignored (a script's background job)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", SIGINT_STOPS_ENV: "1"}
         process = subprocess.Popen(argv, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    cwd=os.getcwd(), env=env, start_new_session=True)
         console.close()  # the child holds its own copy

@@ -128,6 +128,8 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
         if isinstance(pid, int) and launch.get("host") == socket.gethostname() \
                 and pid_alive(pid, launch.get("pid_start")):
             return "starting", None
+        if (path / STOP_FILE).is_file():  # stopped while it started, before it recorded anything
+            return "stopped", "stopped from the dashboard before its first round"
         last = [line for line in console_tail(path, 20) if line.strip()]
         errors = [line for line in last if "error" in line.lower()]
         return "failed", (errors or last or ["the run ended before its first round"])[-1]
@@ -137,7 +139,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
     if state == "running" and status.get("host") == socket.gethostname() \
             and isinstance(status.get("pid"), int) and not pid_alive(status["pid"], status.get("pid_start")):
         if (path / STOP_FILE).is_file():
-            return "stopped", "stopped from the dashboard (flwr stop)"
+            return "stopped", "stopped from the dashboard"
         return "interrupted", "its process ended without recording why (killed?)"
     return state, status.get("error")
 

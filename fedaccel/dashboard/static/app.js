@@ -175,10 +175,14 @@ const layout = (title, ytitle, xtitle = "round") => ({
 });
 
 async function loadRun(id) {
+  // live updates can overlap: only the newest request may draw (an older answer
+  // arriving last would show a stale state, e.g. running after stopped)
+  const seq = current.loads = (current.loads || 0) + 1;
+  const mine = current;
   let d;
   try { d = await api("/api/run/" + id.split("/").map(encodeURIComponent).join("/")); }
-  catch (e) { view.replaceChildren(el("p", {class: "error"}, e.message)); return; }
-  if (!current || current.name !== "run" || current.id !== id) return;
+  catch (e) { if (current === mine && mine.loads === seq) view.replaceChildren(el("p", {class: "error"}, e.message)); return; }
+  if (current !== mine || mine.loads !== seq || current.name !== "run" || current.id !== id) return;
   current.round = d.round; current.state = d.state;
   const running = ["running", "starting"].includes(d.state);
   if (!document.getElementById("run-header") || current.drawn !== id) {
