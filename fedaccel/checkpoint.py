@@ -296,26 +296,34 @@ def carried_state(strategy: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]
     return {name: encode_state(getattr(strategy, name), arrays) for name in carried_names(strategy)}, arrays
 
 
-def carried_names(strategy: Any) -> list[str]:
+def carried_names(strategy: Any, attribute: str = "carried_state") -> list[str]:
+    """The names ``attribute`` lists in the classes of ``strategy``, over its MRO."""
     names: list[str] = []
     for cls in reversed(type(strategy).__mro__):
-        for name in vars(cls).get("carried_state", ()):
+        for name in vars(cls).get(attribute, ()):
             if name not in names:
                 names.append(name)
     return names
 
 
 def restore_carried_state(strategy: Any, ckpt: Checkpoint) -> None:
-    """Set the strategy's carried attributes from a checkpoint's server state."""
+    """Set the strategy's carried attributes from a checkpoint's server state.
+
+    The checkpoint must hold every carried attribute and no other, except
+    those in ``optional_carried_state`` (added after older checkpoints were
+    written): absent, they keep their fresh value."""
     expected = carried_names(strategy)
-    if sorted(ckpt.server_state) != sorted(expected):
+    optional = set(carried_names(strategy, "optional_carried_state"))
+    held = set(ckpt.server_state)
+    if held - set(expected) or set(expected) - optional - held:
         raise CheckpointError(
             f"the checkpoint's server state ({', '.join(sorted(ckpt.server_state)) or 'none'}) does not "
             f"match {type(strategy).__name__}'s ({', '.join(sorted(expected)) or 'none'}): it was "
             "written by another fedaccel version or for another algorithm")
     for name in expected:
-        setattr(strategy, name, decode_state(ckpt.server_state[name], ckpt.server_arrays,
-                                             like=getattr(strategy, name)))
+        if name in held:
+            setattr(strategy, name, decode_state(ckpt.server_state[name], ckpt.server_arrays,
+                                                 like=getattr(strategy, name)))
 
 
 def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:

@@ -33,7 +33,11 @@ class ClientErrorLog:
     def __init__(self, partition_of_node: Callable[[], dict[int, int]], num_rounds: int) -> None:
         self.partition_of_node = partition_of_node
         self.num_rounds = num_rounds
+        # over the whole run, carried over a resume (the strategy's client_error_rounds)
         self.seen: dict[str, set[int]] = {}
+        # logged by this process: a resumed run logs an error it had before once more,
+        # since that line went to the console of the process that was stopped
+        self.logged: set[str] = set()
 
     def who_and_cause(self, reply: Message) -> tuple[str, str]:
         """``(who, cause)`` of an error reply; ``who`` is ``node N (partition P)``.
@@ -51,16 +55,17 @@ class ClientErrorLog:
         return f"node {node} (partition {self.partition_of_node().get(node, '?')})", text
 
     def report(self, server_round: int, replies: list[Message], phase: str = "") -> int:
-        """Log each error reply's node and cause at WARNING, once per run for
-        each distinct line (the rounds it recurs in are kept in
-        :attr:`seen`); returns how many lines were new."""
+        """Log each error reply's node and cause at WARNING, once per run (and
+        process) for each distinct line (the rounds it recurs in are kept in
+        :attr:`seen`); returns how many lines were logged."""
         new = 0
         for m in replies:
             if not m.has_error():
                 continue
             line = ": ".join(self.who_and_cause(m))
-            if line not in self.seen:
+            if line not in self.logged:
                 new += 1
+                self.logged.add(line)
                 log(WARNING, "[fedaccel] client failed in round %s%s: %s", server_round, phase, line)
             self.seen.setdefault(line, set()).add(server_round)
         return new
@@ -86,5 +91,6 @@ class ClientErrorLog:
         """At the end of a run: in how many rounds each reported client error recurred."""
         for line, rounds in self.seen.items():
             if len(rounds) > 1:
-                log(WARNING, "[fedaccel] client failed in %s of %s rounds (reported once above, "
-                    "first in round %s): %s", len(rounds), self.num_rounds, min(rounds), line)
+                where = "reported once above" if line in self.logged else "before the run was resumed"
+                log(WARNING, "[fedaccel] client failed in %s of %s rounds (%s, first in round %s): %s",
+                    len(rounds), self.num_rounds, where, min(rounds), line)

@@ -34,8 +34,8 @@ SUITE_ENGINE_RUNS = {
     "deployment": {"fedavg": ("default",), "fedcdr": ("default",)},
 }
 # Engine tests beyond the per-algorithm runs (all in the suite).
-ENGINE_NOTES = {("deployment", "fedcdr"): "SuperNode crash and restart with disk and context state (suite)",
-                ("deployment", "fedavg"): "SuperNode killed mid-run (suite)"}
+ENGINE_NOTES = {("deployment", "fedcdr"): "SuperNode crash and restart with disk and context state (engine matrix)",
+                ("deployment", "fedavg"): "SuperNode killed mid-run (engine matrix)"}
 
 
 def engine_runs(engine: str) -> list[tuple[str, str, str]]:

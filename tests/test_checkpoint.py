@@ -133,6 +133,39 @@ def test_state_codec_round_trips_exactly():
         encode_state(object(), {})
 
 
+class _Carrying:
+    carried_state = ("momentum",)
+
+
+class _CarryingMore(_Carrying):
+    carried_state = ("error_rounds",)
+    optional_carried_state = ("error_rounds",)  # added after checkpoints without it were written
+
+    def __init__(self):
+        self.momentum, self.error_rounds = 0.0, {}
+
+
+def test_an_optional_entry_may_be_absent_from_an_older_checkpoint_and_nothing_else():
+    from fedaccel.checkpoint import restore_carried_state
+
+    def restore(state):
+        strategy = _CarryingMore()
+        arrays: dict = {}
+        ckpt = tiny_checkpoint(2)
+        ckpt.server_state = {k: encode_state(v, arrays) for k, v in state.items()}
+        ckpt.server_arrays = arrays
+        restore_carried_state(strategy, ckpt)
+        return strategy.momentum, strategy.error_rounds
+
+    assert restore({"momentum": 0.5, "error_rounds": {"node 1": [1, 2]}}) == (0.5, {"node 1": [1, 2]})
+    assert restore({"momentum": 0.5}) == (0.5, {})  # older checkpoint: keeps its fresh value
+    with pytest.raises(CheckpointError, match=r"\(error_rounds\) does not match _CarryingMore's "
+                                              r"\(error_rounds, momentum\)"):
+        restore({"error_rounds": {}})  # a required entry missing
+    with pytest.raises(CheckpointError, match="another fedaccel version or for another algorithm"):
+        restore({"momentum": 0.5, "velocity": 1.0})  # an entry this strategy does not carry
+
+
 def tiny_checkpoint(server_round: int) -> Checkpoint:
     from flwr.app import Array, ArrayRecord
 

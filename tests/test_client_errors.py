@@ -160,6 +160,56 @@ def test_corrupted_data_file_fails_one_client_and_the_run_goes_on(tmp_path, capl
                               f"round 1): node {bad_node} (partition 1): data-path=")
 
 
+def test_a_resumed_run_counts_a_client_error_over_the_whole_run(tmp_path, caplog, monkeypatch):
+    """The error replies seen are server state: a run killed after its round-4
+    checkpoint and resumed counts the corrupted client's failures over all 6
+    rounds, as the uninterrupted run does, and logs the error once more in
+    the resumed process (its console is a new one)."""
+    from fedaccel.strategies.base import FedAccelStrategy
+
+    def serve(cfg, corrupt=(1,)):
+        grid = grid_with_device_files(tmp_path, cfg, corrupt=corrupt)
+        grid.serve(server_app, Context(run_id=grid.run.run_id, node_id=0, node_config={},
+                                       state=RecordDict(), run_config=cfg))
+        return grid
+
+    def repeats():
+        return [r.getMessage().split(": node")[0] for r in caplog.records if "rounds (" in r.getMessage()]
+
+    base = {"num-server-rounds": 6, "checkpoint-every": 2}
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        serve(run_config(tmp_path, **base, **{"run-name": "whole"}))
+    assert repeats() == ["[fedaccel] client failed in 6 of 6 rounds (reported once above, first in round 1)"]
+
+    original = FedAccelStrategy.aggregate_train
+
+    def dying(self, server_round, replies):
+        if server_round == 5:
+            raise KeyboardInterrupt  # killed after the round-4 checkpoint
+        return original(self, server_round, replies)
+
+    def killed_in_round_5(name):
+        cut = run_config(tmp_path, **base, **{"run-name": name})
+        with monkeypatch.context() as patch:
+            patch.setattr(FedAccelStrategy, "aggregate_train", dying)
+            with pytest.raises(KeyboardInterrupt):
+                serve(cut)
+        caplog.clear()
+        return {**cut, "resume": str(tmp_path / "results" / name)}
+
+    resume = killed_in_round_5("cut")
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        serve(resume)
+    assert repeats() == ["[fedaccel] client failed in 6 of 6 rounds (reported once above, first in round 1)"]
+    assert [line.split(":")[0] for line in server_lines(caplog)] == ["[fedaccel] client failed in round 5"]
+    # its data file repaired before the resume: rounds 1-4 counted, logged before the resume
+    resume = killed_in_round_5("repaired")
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        serve(resume, corrupt=())
+    assert repeats() == ["[fedaccel] client failed in 4 of 6 rounds (before the run was resumed, first in round 1)"]
+    assert server_lines(caplog) == []  # it did not fail after the resume
+
+
 def test_every_data_file_corrupted_stops_with_the_causes(tmp_path, caplog):
     cfg = run_config(tmp_path, **{"clients-per-round": 3})
     grid = grid_with_device_files(tmp_path, cfg, num_clients=3, corrupt=(0, 1, 2))

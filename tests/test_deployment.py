@@ -1,8 +1,8 @@
 """Real networked clients on 127.0.0.1: a SuperLink with TLS and SuperNode
 authentication, two SuperNodes, two-round runs of every algorithm through
 them (FedAvg and FedCDR in the suite, the rest in the engine matrix), refused
-clients, a SuperNode killed mid-run, and one crashed and restarted. Every
-process is stopped.
+clients; in the engine matrix too (minutes each), a SuperNode killed mid-run,
+and one crashed and restarted. Every process is stopped.
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
             deployment._kill(deployment.supernodes.pop(index))
 
 
+@pytest.mark.engine_matrix  # minutes: Flower notices a dead SuperNode after 35-60 s
 def test_killed_supernode_does_not_hang_the_run(deployment):
     """Round timeout 20 s: after SuperNode 1 dies, rounds go on with the live one."""
     proc = deployment.run_async(
@@ -156,6 +157,7 @@ def count_rows(path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+@pytest.mark.engine_matrix  # minutes: Flower notices a dead SuperNode after 35-60 s
 def test_disk_client_state_survives_a_supernode_crash_and_restart(tmp_path):
     """FedCDR on its own SuperLink and 2 SuperNodes, two runs at once: one with
     ``client-state='disk'``, one with ``'context'``. After round 1 SuperNode 1

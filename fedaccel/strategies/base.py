@@ -90,7 +90,10 @@ class FedAccelStrategy:
     # checkpoint (fedaccel.checkpoint); each subclass names its own (SCAFFOLD:
     # ``("c",)``) and they are collected over the MRO. Per-round bookkeeping
     # (``rounds``, ``global_arrays``) is rebuilt by every round and is not named.
-    carried_state: tuple[str, ...] = ("accepted_round",)
+    carried_state: tuple[str, ...] = ("accepted_round", "client_error_rounds")
+    # Carried attributes added after checkpoints without them were written: such
+    # a checkpoint still restores, and they keep their fresh value.
+    optional_carried_state: tuple[str, ...] = ("client_error_rounds",)
 
     def __init__(self, *, run_cfg: RunConfig, federation: Federation, **kwargs: Any) -> None:
         kwargs.setdefault("evaluate_metrics_aggr_fn", mean_client_accuracy)
@@ -118,6 +121,17 @@ class FedAccelStrategy:
         self.membership = NodeMembership(federation, query_timeout=min(run_cfg.round_timeout, 120.0))
         # error replies: logged once each, repeats counted at the end of the run
         self.client_errors = ClientErrorLog(lambda: federation.partition_of_node, run_cfg.num_server_rounds)
+
+    @property
+    def client_error_rounds(self) -> dict[str, list[int]]:
+        """The error replies seen so far (``"node N (partition P): cause"`` ->
+        the rounds it came in), carried over a resume so that each is still
+        logged once per run and its repeats counted over the whole run."""
+        return {line: sorted(rounds) for line, rounds in self.client_errors.seen.items()}
+
+    @client_error_rounds.setter
+    def client_error_rounds(self, value: dict[str, list[int]]) -> None:
+        self.client_errors.seen = {line: set(rounds) for line, rounds in value.items()}
 
     # ------------------------------------------------------------- hooks
     def sample_cohort(self, server_round: int) -> list[int]:
