@@ -491,39 +491,81 @@ def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> 
     return config["run-name"], time.perf_counter() - start, None
 
 
-def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | None
+#: written into a Ray sweep's cells folder: a Ray worker that reads the same
+#: token there shares the sweep's filesystem (the same machine, or a shared
+#: mount at the same path) and runs its cell in place
+SHARED_TOKEN_FILE = ".sweep-token"
+
+
+def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | None,
+                     token: str | None = None, resume_files: dict[str, bytes] | None = None
                      ) -> tuple[str, float, str | None, dict[str, bytes]]:
-    """:func:`_run_cell` on a Ray worker, which may be another machine: the
-    run writes into a temporary folder there and its files come back to the
-    sweep, which writes them into the cell's folder (no shared filesystem
-    needed)."""
+    """:func:`_run_cell` on a Ray worker, which may be another machine.
+
+    Where the worker sees the sweep's cells folder (``token`` found in it),
+    the cell runs in place, exactly as in a local worker: its checkpoints are
+    in the cell's folder as it runs, and a resumed cell reads them there.
+    Elsewhere it runs in a temporary folder (a resumed cell's files, shipped
+    as ``resume_files``, written there first) and all its files, checkpoints
+    included, come back to the sweep, which writes them into the cell's
+    folder (no shared filesystem needed)."""
     import tempfile
 
+    results = Path(config["results-dir"])
+    with contextlib.suppress(OSError):
+        if token and (results / SHARED_TOKEN_FILE).read_text(encoding="utf-8").strip() == token:
+            return (*_run_cell(config, num_clients, threads), {})
     with tempfile.TemporaryDirectory(prefix="fedaccel-cell-") as tmp:
         local = {**config, "results-dir": tmp}
-        name, took, error = _run_cell(local, num_clients, threads)
         folder = Path(tmp) / config["run-name"]
-        files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} if folder.is_dir() else {}
+        if config.get("resume"):
+            _write_files(folder, resume_files or {})
+            local["resume"] = str(folder)
+        name, took, error = _run_cell(local, num_clients, threads)
+        files = ({p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+                 if folder.is_dir() else {})
     return name, took, error, files
 
 
+def _cell_files(folder: Path) -> dict[str, bytes]:
+    """A cell's files by path relative to its folder (a resumed cell shipped to a Ray worker)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def _write_files(folder: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` (paths relative to ``folder``) atomically each;
+    ``summary.json`` last, so that a sweep killed while writing sees the cell
+    as unfinished."""
+    for rel in sorted(files, key=lambda n: n == "summary.json"):
+        target = folder / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise ValueError(f"a cell file outside its folder: {rel!r}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(files[rel])
+        tmp.replace(target)
+
+
 def _store_cell(cells_dir: Path, name: str, files: dict[str, bytes]) -> None:
-    """Write a remote cell's files; ``summary.json`` last, so that a sweep
-    killed while writing sees the cell as unfinished."""
-    folder = cells_dir / name
-    folder.mkdir(parents=True, exist_ok=True)
-    for file_name in sorted(files, key=lambda n: n == "summary.json"):
-        tmp = folder / f".{file_name}.tmp"
-        tmp.write_bytes(files[file_name])
-        tmp.replace(folder / file_name)
+    """Write a remote cell's files into its folder (:func:`_write_files`)."""
+    _write_files(cells_dir / name, files)
 
 
 def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cells_dir: Path,
-                record: Any) -> None:
+                record: Any, shared_folder: bool = True) -> None:
     """The cells as Ray tasks (one CPU's worth of threads each unless the
     cluster says more), on the cluster at ``address`` (``local``: a Ray
-    started here for the sweep)."""
+    started here for the sweep). Workers that see ``cells_dir`` run their
+    cells in place (:func:`_run_cell_remote`); ``shared_folder=False`` makes
+    every worker act as if on another machine (tests)."""
+    import uuid
+
     import ray
+
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    (cells_dir / SHARED_TOKEN_FILE).write_text(token + "\n", encoding="utf-8")
 
     try:
         if address == "local":
@@ -537,7 +579,9 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
         cpus = int(ray.cluster_resources().get("CPU", 1))
         threads = 2 if cpus >= 2 * len(todo) else 1
         task = ray.remote(num_cpus=threads)(_run_cell_remote)
-        pending = {task.remote(config, num_clients, threads): config for config in todo}
+        pending = {task.remote(config, num_clients, threads, token if shared_folder else None,
+                               _cell_files(cells_dir / config["run-name"]) if config.get("resume") else None): config
+                   for config in todo}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
@@ -641,17 +685,19 @@ def _eta(seconds: list[float], remaining: int, workers: int) -> str:
 
 
 def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
-              out=sys.stderr, ray_address: str | None = None, federation: str | None = None) -> dict[str, Any]:
+              out=sys.stderr, ray_address: str | None = None, federation: str | None = None,
+              ray_shared_folder: bool = True) -> dict[str, Any]:
     """Run every unfinished cell (``workers`` processes; 1: in this process;
     as tasks on the Ray cluster at ``ray_address``; or one after another as
     ``flwr run`` on the SuperLink connection ``federation``), then write the
-    report. Returns counts and the failed cells' errors."""
+    report. Returns counts and the failed cells' errors. ``ray_shared_folder=False``:
+    Ray workers act as if on another machine (:func:`_run_on_ray`)."""
     configs = check_cells(study, shared)
     if federation:
         check_federation(federation, study.num_clients)
     check_plan(study, configs)
     try:
-        return _run_planned(study, configs, workers, out, ray_address, federation)
+        return _run_planned(study, configs, workers, out, ray_address, federation, ray_shared_folder)
     finally:  # the plan no longer names a live process (fedaccel-dashboard reads it)
         _release_plan(study.folder / "plan.json")
 
@@ -672,14 +718,15 @@ def _release_plan(plan_path: Path) -> None:
 
 
 def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | None, out: Any,
-                 ray_address: str | None, federation: str | None = None) -> dict[str, Any]:
+                 ray_address: str | None, federation: str | None = None,
+                 ray_shared_folder: bool = True) -> dict[str, Any]:
     cells_dir = study.folder / "cells"
     todo = []
     for config in configs:
         run_dir = cells_dir / config["run-name"]
         if finished(run_dir):
             continue
-        if _resumable(run_dir, config) and not ray_address:  # killed mid-run: go on from its checkpoint
+        if _resumable(run_dir, config):  # killed mid-run: go on from its checkpoint
             config = {**config, "resume": str(run_dir)}
         elif run_dir.exists():  # killed before its first checkpoint: start it again
             shutil.rmtree(run_dir)
@@ -704,7 +751,7 @@ def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | Non
               f"{_eta(seconds, len(todo) - finished_now, workers)}", file=out, flush=True)
 
     if ray_address and todo:
-        _run_on_ray(ray_address, todo, study.num_clients, cells_dir, record)
+        _run_on_ray(ray_address, todo, study.num_clients, cells_dir, record, ray_shared_folder)
     elif federation:
         for config in todo:
             record(*_run_cell_on_flower(config, federation))

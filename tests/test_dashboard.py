@@ -164,6 +164,7 @@ def test_valid_form_gives_the_command_as_an_argument_list(client, results):
     assert clash["key"] == "results-dir"
 
 
+@pytest.mark.slow  # a fresh interpreter runs it
 def test_launch_runs_it_and_the_runs_list_follows_it_to_the_end(results):
     with live_server([results]) as base:
         body = {"values": {"num-server-rounds": "3", "clients-per-round": "4", "run-name": "launched"},
@@ -182,6 +183,7 @@ def test_launch_runs_it_and_the_runs_list_follows_it_to_the_end(results):
         assert again["key"] == "run-name" and "exists already" in again["error"]
 
 
+@pytest.mark.slow  # a fresh interpreter runs it
 def test_stop_ends_a_fast_run_and_both_sides_say_stopped(results, sigint_ignored):
     # the dashboard runs as a script's background job would (SIGINT ignored, which its
     # launches inherit): the stop button must stop them all the same

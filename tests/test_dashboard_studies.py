@@ -151,6 +151,7 @@ def test_the_project_study_files_are_offered_and_valid(client):
     assert checked["argv"][-2:] == ["--workers", "2"]
 
 
+@pytest.mark.slow  # a fresh interpreter runs it
 def test_launch_a_study_and_watch_it_finish(tmp_path, results):
     path = study_file(tmp_path, seeds="[0]")
     with live_server([results]) as base:

@@ -96,6 +96,7 @@ def test_a_swallowed_interrupt_still_stops_the_run_after_its_round(tmp_path, mon
     assert status["state"] == "stopped" and status["round"] == len(rows) == 2
 
 
+@pytest.mark.slow  # a fresh interpreter runs it
 def test_fedaccel_run_started_with_sigint_ignored_stops_when_its_starter_asked(tmp_path):
     """The dashboard's case: started by a process that ignores SIGINT (a
     script's background job), in its own session, with the environment

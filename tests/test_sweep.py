@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -259,8 +260,9 @@ def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
 
 @pytest.mark.slow  # starts a local Ray: ~20 s
 def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
-    """``--ray-address local``: each cell runs in a Ray worker into a
-    temporary folder; its files come back and land in the cell's folder."""
+    """``--ray-address local``, the workers acting as if on other machines:
+    each cell runs in a Ray worker into a temporary folder; its files come
+    back and land in the cell's folder."""
     path = write_study(tmp_path, seeds=[0, 1])
     study, shared = load_study(path)
     lines = []
@@ -271,7 +273,7 @@ def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
 
         def flush(self) -> None:
             pass
-    outcome = run_study(study, shared, out=Lines(), ray_address="local")
+    outcome = run_study(study, shared, out=Lines(), ray_address="local", ray_shared_folder=False)
     assert outcome == {"cells": 2, "skipped": 0, "ran": 2, "failed": {}}
     assert "on Ray at local" in lines[0]
     for seed in (0, 1):
@@ -279,6 +281,36 @@ def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
         assert {"summary.json", "metrics.jsonl", "config.json", "final_model.npz"} <= {p.name for p in folder.iterdir()}
         assert json.loads((folder / "config.json").read_text())["seed"] == seed
     assert not list((tmp_path / "out" / "s" / "cells").glob("*/.*.tmp"))
+    config = json.loads((tmp_path / "out" / "s" / "cells" / "seed=0" / "config.json").read_text())
+    assert config["results-dir"] != str(tmp_path / "out" / "s" / "cells")  # the worker's temporary folder
+
+
+@pytest.mark.slow  # starts a local Ray three times: ~25 s
+def test_a_killed_ray_cell_goes_on_from_its_checkpoint_in_place_or_shipped(tmp_path) -> None:
+    """A Ray worker that sees the sweep's folder runs its cell in place (its
+    checkpoints there as it runs); one on another machine gets a resumed
+    cell's files shipped and sends all back. Either way a cell killed in
+    round 3 resumes from its round-2 checkpoint to the uninterrupted model."""
+    import numpy as np
+
+    path = write_study(tmp_path, base={**TINY, "num-server-rounds": 3, "checkpoint-every": 1}, seeds=[0])
+    study, shared = load_study(path)
+    quiet = open(os.devnull, "w")
+    cell = tmp_path / "out" / "s" / "cells" / "seed=0"
+    assert run_study(study, shared, out=quiet, ray_address="local")["ran"] == 1
+    assert json.loads((cell / "config.json").read_text())["results-dir"] == str(cell.parent)  # in place
+    whole = dict(np.load(cell / "final_model.npz"))
+    for in_place in (True, False):
+        for name in ("checkpoints/round-00003.zip", "summary.json", "final_model.npz"):
+            (cell / name).unlink()  # as if killed in round 3
+        again = run_study(study, shared, out=quiet, ray_address="local", ray_shared_folder=in_place)
+        assert (again["skipped"], again["ran"], again["failed"]) == (0, 1, {})
+        resume = json.loads((cell / "config.json").read_text())["resume"]
+        assert resume and (resume == str(cell)) is in_place  # resumed (not rerun): here, or in the worker's copy
+        resumed = dict(np.load(cell / "final_model.npz"))
+        assert all(np.array_equal(whole[k], resumed[k]) for k in whole)
+        rows = [json.loads(line)["round"] for line in (cell / "metrics.jsonl").read_text().splitlines()]
+        assert rows == [1, 2, 3] and (cell / "checkpoints" / "round-00003.zip").is_file()
 
 
 def test_named_variant_axes_are_crossed(tmp_path) -> None:
