@@ -348,8 +348,14 @@ def disk_state_files(folder: Path) -> dict[str, bytes]:
 
 
 def restore_disk_state_files(folder: Path, files: dict[str, bytes]) -> None:
-    """Replace one run's state folder by the ``disk/`` files of a checkpoint."""
-    shutil.rmtree(folder, ignore_errors=True)
+    """Replace one run's state folder by the ``disk/`` files of a checkpoint
+    (its own top-level hidden files, such as the owner record, stay)."""
+    folder = Path(folder)
+    for entry in list(folder.iterdir()) if folder.is_dir() else []:
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif not entry.name.startswith("."):
+            entry.unlink()
     for name, data in files.items():
         kind, _, rest = name.partition("/")
         if kind == "disk":

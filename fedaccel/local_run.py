@@ -156,7 +156,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
     from fedaccel.apps.client_app import app as client_app, cohort_fallback, prepare_clients, train_cohort
-    from fedaccel.clients.state import state_run_dir
+    from fedaccel.clients.state import claim_state_run_dir, remove_orphaned_state_dirs, state_run_dir
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
 
@@ -173,8 +173,12 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         FLOWER_LOGGER.setLevel(logging.WARNING)
     update_console_handler(colored=sys.stderr.isatty())  # no ANSI codes in a pipe or a file
     grid = None
+    state_dir = str(run_config.get("state-dir", ""))
+    for folder in remove_orphaned_state_dirs(state_dir):
+        print(f"[fedaccel] removed {folder}: client state of a run whose process was killed", file=sys.stderr)
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
+        claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
         grid.cohort_trainer = choose_cohort_trainer(cfg, grid, cohort_fallback, train_cohort, quiet)
         context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: quiet},
@@ -182,8 +186,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         grid.serve(server_app, context)
     finally:
         if grid is not None:
-            shutil.rmtree(state_run_dir(str(run_config.get("state-dir", "")), grid.run.run_id),
-                          ignore_errors=True)
+            shutil.rmtree(state_run_dir(state_dir, grid.run.run_id), ignore_errors=True)
         FLOWER_LOGGER.setLevel(previous_level)  # the caller's logging is not ours to change
         update_console_handler(colored=True)  # Flower's default
     return Path(str(context.state[RESULTS]["run-dir"]))

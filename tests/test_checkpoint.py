@@ -324,9 +324,10 @@ def test_flower_engines_refuse_to_checkpoint_stateful_clients(tmp_path):
 # ------------------------------------------------------- a real kill -9
 @pytest.mark.slow
 def test_a_process_killed_with_sigkill_resumes_to_the_same_model(tmp_path):
+    state = tmp_path / "state"
     args = ["--quiet", "--num-clients", str(NUM_CLIENTS), "algo=fedcdr", "num-server-rounds=30",
             "clients-per-round=3", "local-epochs=1", "synthetic.max-samples=120",
-            f"results-dir='{tmp_path}'"]
+            f"results-dir='{tmp_path}'", "client-state='disk'", f"state-dir='{state}'"]
     command = [sys.executable, "-m", "fedaccel.local_run", *args]
     subprocess.run([*command, "run-name=whole"], check=True, capture_output=True)
     proc = subprocess.Popen([*command, "run-name=cut", "checkpoint-every=3"],
@@ -338,8 +339,12 @@ def test_a_process_killed_with_sigkill_resumes_to_the_same_model(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert first.exists() and not (tmp_path / "cut" / "final_model.npz").exists()
+    (left,) = state.iterdir()  # the killed run's client state: nothing removed it
+    assert (left / "client-0").is_dir()
     done = subprocess.run([sys.executable, "-m", "fedaccel.local_run", "--quiet", "--resume", str(tmp_path / "cut")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    assert f"removed {left}: client state of a run whose process was killed" in done.stderr
+    assert not any(state.iterdir())  # the resumed run removed that folder first, and its own at the end
     assert_bit_identical(final_model(tmp_path / "whole"), final_model(tmp_path / "cut"))
     assert rows_without_time(tmp_path / "whole") == rows_without_time(tmp_path / "cut")

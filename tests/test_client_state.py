@@ -317,3 +317,23 @@ def test_lost_client_state_is_detected_and_reported(tmp_path, caplog):
     rows = [json.loads(line) for line in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["state_lost"] for r in rows) == 1  # reshuffle: partition 0 trains twice in 4 rounds
     assert "had lost its fedcdr state" in caplog.text
+
+
+def test_only_state_folders_of_ended_fast_runner_processes_are_removed(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from fedaccel.clients.state import OWNER_FILE, claim_state_run_dir, remove_orphaned_state_dirs
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True)
+    folders = {name: tmp_path / f"run-{name}" for name in ("mine", "ended", "elsewhere", "supernode")}
+    claim_state_run_dir(folders["mine"])  # this process: alive
+    for name, host in (("ended", socket.gethostname()), ("elsewhere", "another-host")):
+        folders[name].mkdir()
+        (folders[name] / OWNER_FILE).write_text(json.dumps({"pid": int(ended.stdout), "pid_start": None,
+                                                            "host": host}))
+    (folders["supernode"] / "client-0").mkdir(parents=True)  # no owner: a SuperNode's, kept across runs
+    assert remove_orphaned_state_dirs(str(tmp_path)) == [folders["ended"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-elsewhere", "run-mine", "run-supernode"]

@@ -327,6 +327,48 @@ def state_run_dir(state_dir: str, run_id: int) -> Path:
     return root / f"run-{run_id}"
 
 
+#: in a run's state folder that the fast runner owns: which process runs it
+OWNER_FILE = ".owner.json"
+
+
+def claim_state_run_dir(folder: Path) -> None:
+    """Mark ``folder`` (:func:`state_run_dir`) as this process's, so that
+    :func:`remove_orphaned_state_dirs` can tell when it is left over. The fast
+    runner removes its folder when the run ends; after a SIGKILL or a power
+    loss nothing does, and disk state can be large."""
+    import socket
+
+    from fedaccel.processes import process_start
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+    (folder / OWNER_FILE).write_text(json.dumps({"pid": pid, "pid_start": process_start(pid),
+                                                 "host": socket.gethostname()}) + "\n", encoding="utf-8")
+
+
+def remove_orphaned_state_dirs(state_dir: str) -> list[Path]:
+    """Remove the run state folders under ``state_dir`` whose owning fast-runner
+    process (:func:`claim_state_run_dir`) has ended on this host; returns them.
+    Folders without an owner file (a SuperNode's, which outlive runs by
+    design) and those of live or other hosts' processes are left alone."""
+    import socket
+
+    from fedaccel.processes import pid_alive
+
+    root = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    removed = []
+    for folder in sorted(root.glob("run-*")) if root.is_dir() else []:
+        try:
+            owner = json.loads((folder / OWNER_FILE).read_text(encoding="utf-8"))
+            pid, start, host = owner["pid"], owner.get("pid_start"), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid, start):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def choose_backend(mode: str, num_clients: int, bytes_per_client: int) -> str:
     """Resolve ``client-state='auto'``."""
     if mode != "auto":
