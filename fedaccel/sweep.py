@@ -499,7 +499,7 @@ SHARED_TOKEN_FILE = ".sweep-token"
 
 def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | None,
                      token: str | None = None, resume_files: dict[str, bytes] | None = None
-                     ) -> tuple[str, float, str | None, dict[str, bytes]]:
+                     ) -> tuple[str, float, str | None, dict[str, bytes], str]:
     """:func:`_run_cell` on a Ray worker, which may be another machine.
 
     Where the worker sees the sweep's cells folder (``token`` found in it),
@@ -508,13 +508,18 @@ def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | No
     Elsewhere it runs in a temporary folder (a resumed cell's files, shipped
     as ``resume_files``, written there first) and all its files, checkpoints
     included, come back to the sweep, which writes them into the cell's
-    folder (no shared filesystem needed)."""
+    folder (no shared filesystem needed). Last in the result: where it ran
+    (host and Ray node)."""
+    import socket
     import tempfile
 
+    import ray
+
+    where = f"{socket.gethostname()}, Ray node {ray.get_runtime_context().get_node_id()[:8]}"
     results = Path(config["results-dir"])
     with contextlib.suppress(OSError):
         if token and (results / SHARED_TOKEN_FILE).read_text(encoding="utf-8").strip() == token:
-            return (*_run_cell(config, num_clients, threads), {})
+            return (*_run_cell(config, num_clients, threads), {}, where)
     with tempfile.TemporaryDirectory(prefix="fedaccel-cell-") as tmp:
         local = {**config, "results-dir": tmp}
         folder = Path(tmp) / config["run-name"]
@@ -524,7 +529,7 @@ def _run_cell_remote(config: dict[str, Any], num_clients: int, threads: int | No
         name, took, error = _run_cell(local, num_clients, threads)
         files = ({p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
                  if folder.is_dir() else {})
-    return name, took, error, files
+    return name, took, error, files, where
 
 
 def _cell_files(folder: Path) -> dict[str, bytes]:
@@ -587,13 +592,13 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
             for ref in done:
                 config = pending.pop(ref)
                 try:
-                    name, took, error, files = ray.get(ref)
+                    name, took, error, files, where = ray.get(ref)
                 except ray.exceptions.RayError as err:  # the task or its worker died
                     record(config["run-name"], 0.0, f"its Ray task failed ({str(err).splitlines()[0]})")
                     continue
                 if files:
                     _store_cell(cells_dir, name, files)
-                record(name, took, error)
+                record(name, took, error, where)
     finally:
         ray.shutdown()
 
@@ -741,13 +746,13 @@ def _run_planned(study: Study, configs: list[dict[str, Any]], workers: int | Non
     failed: dict[str, str] = {}
     seconds: list[float] = []
 
-    def record(name: str, took: float, error: str | None) -> None:
+    def record(name: str, took: float, error: str | None, where: str = "") -> None:
         seconds.append(took)
         if error:
             failed[name] = error
         finished_now = len(seconds)
         print(f"[sweep] {done_before + finished_now}/{len(configs)} {name}: "
-              f"{'failed: ' + error if error else f'done in {took:.1f} s'}"
+              f"{'failed: ' + error if error else f'done in {took:.1f} s'}{f' ({where})' if where else ''}"
               f"{_eta(seconds, len(todo) - finished_now, workers)}", file=out, flush=True)
 
     if ray_address and todo:

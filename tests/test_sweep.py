@@ -285,6 +285,38 @@ def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
     assert config["results-dir"] != str(tmp_path / "out" / "s" / "cells")  # the worker's temporary folder
 
 
+@pytest.mark.slow  # a two-node Ray cluster on this machine: ~30 s
+def test_cells_spread_over_the_nodes_of_a_multi_node_ray_cluster(tmp_path) -> None:
+    """Two Ray nodes of one CPU each (``ray.cluster_utils.Cluster``, as two
+    machines would be): the two cells run at once, one on each node, and the
+    progress lines say where."""
+    import re
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        study, shared = load_study(write_study(tmp_path, seeds=[0, 1]))
+        lines: list[str] = []
+
+        class Lines:
+            def write(self, text: str) -> None:
+                lines.append(text)
+
+            def flush(self) -> None:
+                pass
+        outcome = run_study(study, shared, out=Lines(), ray_address=cluster.address)
+    finally:
+        cluster.shutdown()
+    assert outcome == {"cells": 2, "skipped": 0, "ran": 2, "failed": {}}
+    nodes = {m.group(1) for line in lines if (m := re.search(r"done in .* s \(.*, Ray node (\w+)\)", line))}
+    assert len(nodes) == 2, lines
+    for seed in (0, 1):
+        assert (tmp_path / "out" / "s" / "cells" / f"seed={seed}" / "summary.json").is_file()
+
+
 @pytest.mark.slow  # starts a local Ray three times: ~25 s
 def test_a_killed_ray_cell_goes_on_from_its_checkpoint_in_place_or_shipped(tmp_path) -> None:
     """A Ray worker that sees the sweep's folder runs its cell in place (its
