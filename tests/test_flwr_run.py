@@ -225,3 +225,44 @@ def test_a_sweep_runs_its_cells_on_flower(flwr_env, tmp_path):
     # run again: both cells are finished, nothing runs
     again = subprocess.run(sweep, env=flwr_env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "2 already finished, 0 to run" in again.stderr
+
+
+@pytest.mark.engine_matrix  # ~30-60 s of Flower start-up: with the engine matrix
+def test_ctrl_c_of_a_sweep_stops_its_running_flower_cell(flwr_env, tmp_path):
+    """SIGINT to a sweep whose cell runs on Flower (Ctrl-C, the dashboard's
+    stop): the sweep asks Flower to stop that run (`flwr stop`) and exits
+    130; Flower lists the run as finished, stopped, long before its rounds."""
+    import signal
+
+    import yaml
+
+    study = {"name": "stopped", "results-dir": str(tmp_path / "sweeps"), "num-clients": NUM_CLIENTS,
+             "base": {"num-server-rounds": 500, "clients-per-round": 3, "local-epochs": 1, "accl-every": 0,
+                      "synthetic": {"max-samples": 120}},
+             "variants": [{"algo": "fedavg"}], "seeds": [0]}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    subprocess.run([sys.executable, "-m", "fedaccel.federations", "size", "local-simulation", str(NUM_CLIENTS)],
+                   env=flwr_env, check=True, capture_output=True)
+    sweep = subprocess.Popen([sys.executable, "-m", "fedaccel.sweep", str(path), "--federation", "local-simulation"],
+                             env=flwr_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    metrics = tmp_path / "sweeps" / "stopped" / "cells" / "algo=fedavg,seed=0" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):  # round 1 is done
+            assert sweep.poll() is None, sweep.communicate()
+            assert time.monotonic() < deadline, "the Flower cell's first round"
+            time.sleep(0.2)
+        run_id = json.loads((metrics.parent / "status.json").read_text())["run_id"]
+        os.killpg(sweep.pid, signal.SIGINT)
+        _, err = sweep.communicate(timeout=120)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+    assert sweep.returncode == 130, err[-2000:]
+    assert "fedaccel-sweep: stopped" in err
+    listed = subprocess.run([flwr_bin(), "ls", "local-simulation", "--run-id", str(run_id), "--format", "json"],
+                            cwd=project_dir(), env=flwr_env, capture_output=True, text=True, timeout=60)
+    assert "stopped" in listed.stdout and "finished" in listed.stdout, listed.stdout
+    assert metrics.read_text().count("\n") < 500
