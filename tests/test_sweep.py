@@ -24,6 +24,16 @@ def write_study(tmp_path: Path, **parts) -> Path:
     return path
 
 
+class Lines(list):
+    """A stream for ``run_study(out=...)`` that keeps what was written."""
+
+    def write(self, text: str) -> None:
+        self.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
 def test_cells_are_variants_times_grid_times_seeds_with_readable_names() -> None:
     cells = expand([{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.1}],
                    [("lr", [0.01, 0.1])], [0, 1])
@@ -62,15 +72,8 @@ def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     path = write_study(tmp_path, variants=[{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.1}],
                        seeds=[0, 1])
     study, shared = load_study(path)
-    lines: list[str] = []
-
-    class Lines:
-        def write(self, text: str) -> None:
-            lines.append(text)
-
-        def flush(self) -> None:
-            pass
-    first = run_study(study, shared, workers=1, out=Lines())
+    lines = Lines()
+    first = run_study(study, shared, workers=1, out=lines)
     assert first == {"cells": 4, "skipped": 0, "ran": 4, "failed": {}}
     cells = tmp_path / "out" / "s" / "cells"
     assert sorted(p.name for p in cells.iterdir()) == sorted(c.name for c in study.cells)
@@ -82,10 +85,10 @@ def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     assert "Grouped over seeds" in (tmp_path / "out" / "s" / "report" / "comparison.md").read_text()
     assert any("4/4" in line for line in lines)
     # the same command again: nothing to run
-    assert run_study(study, shared, workers=1, out=Lines())["ran"] == 0
+    assert run_study(study, shared, workers=1, out=lines)["ran"] == 0
     # a cell killed mid-run (its folder but no summary) runs again from round 1
     (cells / "algo=fedavg,seed=1" / "summary.json").unlink()
-    again = run_study(study, shared, workers=1, out=Lines())
+    again = run_study(study, shared, workers=1, out=lines)
     assert (again["skipped"], again["ran"]) == (3, 1)
     assert (cells / "algo=fedavg,seed=1" / "summary.json").is_file()
 
@@ -265,15 +268,8 @@ def test_cells_run_as_ray_tasks_and_their_files_come_back(tmp_path) -> None:
     back and land in the cell's folder."""
     path = write_study(tmp_path, seeds=[0, 1])
     study, shared = load_study(path)
-    lines = []
-
-    class Lines:
-        def write(self, text: str) -> None:
-            lines.append(text)
-
-        def flush(self) -> None:
-            pass
-    outcome = run_study(study, shared, out=Lines(), ray_address="local", ray_shared_folder=False)
+    lines = Lines()
+    outcome = run_study(study, shared, out=lines, ray_address="local", ray_shared_folder=False)
     assert outcome == {"cells": 2, "skipped": 0, "ran": 2, "failed": {}}
     assert "on Ray at local" in lines[0]
     for seed in (0, 1):
@@ -299,15 +295,8 @@ def test_cells_spread_over_the_nodes_of_a_multi_node_ray_cluster(tmp_path) -> No
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         study, shared = load_study(write_study(tmp_path, seeds=[0, 1]))
-        lines: list[str] = []
-
-        class Lines:
-            def write(self, text: str) -> None:
-                lines.append(text)
-
-            def flush(self) -> None:
-                pass
-        outcome = run_study(study, shared, out=Lines(), ray_address=cluster.address)
+        lines = Lines()
+        outcome = run_study(study, shared, out=lines, ray_address=cluster.address)
     finally:
         cluster.shutdown()
     assert outcome == {"cells": 2, "skipped": 0, "ran": 2, "failed": {}}
