@@ -123,7 +123,7 @@ def render() -> str:
         "(`tests/test_deployment.py`: a SuperLink with TLS and SuperNode authentication and "
         "two SuperNodes on 127.0.0.1, 2 rounds, both clients, results and final model "
         "written). *suite*: runs in `pytest`, the README's test command; *engine matrix*: "
-        "runs in `pytest -m engine_matrix` (about 15 minutes on 2 cores: every run starts Flower's "
+        "runs in `pytest -m engine_matrix` (about 20 minutes on 2 cores: every run starts Flower's "
         "processes, and each deployment message starts a fresh ClientApp process), which "
         "CI runs after the suite. *stragglers dropped*: `straggler-fraction=0.34`, "
         "`straggler-policy='drop'`, so the client-state commit protocol rolls the dropped "
