@@ -39,6 +39,25 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+def process_record(pid: int | None = None) -> dict:
+    """``{"pid", "pid_start", "host"}`` of process ``pid`` (default: this
+    one), as the records that name a process keep it."""
+    import socket
+
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "pid_start": process_start(pid), "host": socket.gethostname()}
+
+
+def record_alive(record: dict | None) -> bool:
+    """Whether the process a record names (:func:`process_record`'s keys)
+    runs on this host and is still the one that started then."""
+    import socket
+
+    pid = (record or {}).get("pid")
+    return (isinstance(pid, int) and record.get("host") == socket.gethostname()
+            and pid_alive(pid, record.get("pid_start")))
+
+
 def pid_alive(pid: int, start: int | None = None) -> bool:
     """Whether process ``pid`` runs (an exited child not yet reaped, a
     zombie, has ended) and, when ``start`` is given and ``/proc`` can tell,

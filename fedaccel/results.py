@@ -38,13 +38,12 @@ import json
 import math
 import numbers
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedaccel.processes import process_start
+from fedaccel.processes import process_record
 
 __all__ = [
     "STANDARD_KEYS",
@@ -391,8 +390,7 @@ class RunRecorder:
             self.rows.append(row)
         self._metrics.flush()
         self._status = {"state": "running", "round": len(self.rows), "num_rounds": self.num_rounds,
-                        "pid": os.getpid(), "pid_start": process_start(os.getpid()),
-                        "host": socket.gethostname(), "engine": engine,
+                        **process_record(), "engine": engine,
                         "run_id": run_id, "started": time.time(), "updated": time.time(), "error": None}
         self._write_status()
 

@@ -62,7 +62,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -77,7 +76,7 @@ from typing import Any
 from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
-from fedaccel.processes import pid_alive, process_start, stop_on_sigint
+from fedaccel.processes import process_record, record_alive, stop_on_sigint
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -417,8 +416,7 @@ def check_plan(study: Study, configs: list[dict[str, Any]], write: bool = True) 
             raise ConfigError(f"{plan_path} is not a sweep plan (damaged?): delete it to run the study "
                               "again (finished cells are then trusted as they are)") from None
         pid = old.get("pid")
-        if (isinstance(pid, int) and pid != os.getpid() and old.get("host") == socket.gethostname()
-                and pid_alive(pid, old.get("pid_start"))):
+        if pid != os.getpid() and record_alive(old):
             raise ConfigError(f"{study.folder} is being run by another fedaccel-sweep (process {pid}); "
                               "wait for it to end, or stop it first (Ctrl-C there, or the dashboard's Stop)")
         changed = []
@@ -445,8 +443,7 @@ def check_plan(study: Study, configs: list[dict[str, Any]], write: bool = True) 
         _write_plan(plan_path, {
             "num-clients": study.num_clients, "cells": cells, "current": [c.name for c in study.cells],
             "study-file": str(study.file) if study.file else None,
-            "pid": os.getpid(), "pid_start": process_start(os.getpid()), "host": socket.gethostname(),
-            "started": time.time()})
+            **process_record(), "started": time.time()})
     except OSError as err:
         raise ResultsDirError(f"cannot write the study's folder {study.folder} "
                               f"({err.strerror or err}): use another --results-dir") from None

@@ -336,14 +336,10 @@ def claim_state_run_dir(folder: Path) -> None:
     :func:`remove_orphaned_state_dirs` can tell when it is left over. The fast
     runner removes its folder when the run ends; after a SIGKILL or a power
     loss nothing does, and disk state can be large."""
-    import socket
-
-    from fedaccel.processes import process_start
+    from fedaccel.processes import process_record
 
     folder.mkdir(parents=True, exist_ok=True)
-    pid = os.getpid()
-    (folder / OWNER_FILE).write_text(json.dumps({"pid": pid, "pid_start": process_start(pid),
-                                                 "host": socket.gethostname()}) + "\n", encoding="utf-8")
+    (folder / OWNER_FILE).write_text(json.dumps(process_record()) + "\n", encoding="utf-8")
 
 
 def remove_orphaned_state_dirs(state_dir: str) -> list[Path]:
@@ -353,17 +349,17 @@ def remove_orphaned_state_dirs(state_dir: str) -> list[Path]:
     design) and those of live or other hosts' processes are left alone."""
     import socket
 
-    from fedaccel.processes import pid_alive
+    from fedaccel.processes import record_alive
 
     root = Path(state_dir).expanduser() if state_dir else default_state_dir()
     removed = []
     for folder in sorted(root.glob("run-*")) if root.is_dir() else []:
         try:
             owner = json.loads((folder / OWNER_FILE).read_text(encoding="utf-8"))
-            pid, start, host = owner["pid"], owner.get("pid_start"), owner["host"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError):
             continue
-        if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid, start):
+        if (isinstance(owner, dict) and isinstance(owner.get("pid"), int)
+                and owner.get("host") == socket.gethostname() and not record_alive(owner)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

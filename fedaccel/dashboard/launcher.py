@@ -38,7 +38,7 @@ from fedaccel.dashboard.runs import CONSOLE_FILE, LAUNCH_FILE, STOP_FILE, load_l
 from fedaccel.dashboard.schema import FormError, run_config_tokens
 from fedaccel.dashboard.studies import STUDY_LAUNCH_FILE, sweep_process
 from fedaccel.local_run import project_dir
-from fedaccel.processes import SIGINT_STOPS_ENV, pid_alive, process_start
+from fedaccel.processes import SIGINT_STOPS_ENV, pid_alive, process_record
 from fedaccel.results import load_status
 
 ENGINES = ("fast", "flower")
@@ -141,8 +141,7 @@ class Launcher:
         launch = {"argv": argv, "engine": engine, "run-config": run_config,
                   "num-clients": num_clients if engine == "fast" else None,
                   "connection": connection,
-                  "pid": process.pid, "pid_start": process_start(process.pid), "host": socket.gethostname(),
-                  "started": time.time()}
+                  **process_record(process.pid), "started": time.time()}
         _write_json(run_dir / LAUNCH_FILE, launch)
         launched = Launched(run_dir=run_dir, argv=argv, process=process)
         with self._lock:
@@ -230,8 +229,7 @@ class Launcher:
             folder.mkdir(parents=True, exist_ok=True)
             process = self._start(argv, folder)
             _write_json(folder / STUDY_LAUNCH_FILE, {"argv": argv, "engine": "sweep", "study-file": study_file,
-                                                     "pid": process.pid, "pid_start": process_start(process.pid),
-                                                     "host": socket.gethostname(), "started": time.time()})
+                                                     **process_record(process.pid), "started": time.time()})
         return folder, argv
 
     def stop_study(self, folder: Path) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fedaccel.processes import pid_alive
+from fedaccel.processes import pid_alive, record_alive
 from fedaccel.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line, summarize
 
 #: how deep under a root run folders are looked for (sweeps: root/study/cells/run)
@@ -124,9 +124,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
             return "finished", None
         if launch is None:
             return "unknown", None
-        pid = launch.get("pid")
-        if isinstance(pid, int) and launch.get("host") == socket.gethostname() \
-                and pid_alive(pid, launch.get("pid_start")):
+        if record_alive(launch):
             return "starting", None
         if (path / STOP_FILE).is_file():  # stopped while it started, before it recorded anything
             return "stopped", "stopped from the dashboard before its first round"

@@ -8,14 +8,13 @@ the one ``fedaccel-compare --group-seeds`` and the sweep's report print.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 from pathlib import Path
 from typing import Any, Iterator
 
 from fedaccel.compare import group_by_seed, groups_table, load_runs, target_note
 from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, resolve, run_overview
-from fedaccel.processes import pid_alive
+from fedaccel.processes import record_alive
 from fedaccel.results import SUMMARY_FILE, load_status
 
 PLAN_FILE = "plan.json"
@@ -70,18 +69,12 @@ def study_file_of(path: Path, plan: dict[str, Any] | None = None) -> str | None:
     return plan.get("study-file") or _read_object(path / STUDY_LAUNCH_FILE).get("study-file")
 
 
-def _alive(record: dict[str, Any] | None) -> bool:
-    pid = (record or {}).get("pid")
-    return (isinstance(pid, int) and record.get("host") == socket.gethostname()
-            and pid_alive(pid, record.get("pid_start")))
-
-
 def sweep_process(path: Path, plan: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The live process that runs this study here (the sweep's own record in
     ``plan.json``, or the dashboard's launch), or None."""
     plan = load_plan(path) if plan is None else plan
     launch = _read_object(path / STUDY_LAUNCH_FILE)
-    return next((r for r in (plan, launch) if _alive(r)), None)
+    return next((r for r in (plan, launch) if record_alive(r)), None)
 
 
 def _cell_seconds(cell_dir: Path) -> float | None:
