@@ -18,6 +18,8 @@ is the full 10,000 images, evaluated every 5 rounds. ``--model cnn --train-sampl
     python bench/gradient_correction.py --seeds 0 1 2 --jobs 2          # the grid, ~1 h
     python bench/gradient_correction.py --quick --out /tmp/gc-smoke     # smoke run
     python bench/gradient_correction.py --phase table --target 0.7      # re-tabulate only
+    python bench/gradient_correction.py --phase table --from-study results/sweeps/fedrkmgc-ablation \
+        --out bench/results/gradient_correction/study   # the tables from the study's cells
 
 Every finished run appends one JSON line to ``<out>/runs.jsonl`` and is skipped when the
 script runs again (resumable); ``table.md`` and ``curves.png`` are rewritten at the end.
@@ -172,6 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gradient_correction")
     p.add_argument("--run-dir", type=Path, default=Path("/tmp/gradient_correction_runs"))
     p.add_argument("--quick", action="store_true", help="smoke run: 20 clients, 4 rounds, 1 seed")
+    p.add_argument("--from-study", type=Path, default=None,
+                   help="with --phase table: take the runs from this study folder (fedaccel-sweep "
+                        "configs/studies/fedrkmgc-ablation.yaml) and write them as --out/runs.jsonl")
     args = p.parse_args(argv)
     if args.quick:
         args.clients, args.per_round, args.rounds, args.seeds = 20, 4, 4, [0]
@@ -183,12 +188,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # seed by seed, so a run cut short still has complete seeds
+    jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
+            for m in (MAIN + [a for a in ABLATION if a not in MAIN]
+                      if alpha in args.ablation_alphas else MAIN)]
     if args.phase == "run":
-        # seed by seed, so a run cut short still has complete seeds
-        jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
-                for m in (MAIN + [a for a in ABLATION if a not in MAIN]
-                          if alpha in args.ablation_alphas else MAIN)]
         runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
+    elif args.from_study is not None:
+        records = runner.records_from_study(jobs, args.from_study)
+        (args.out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     write_outputs(args)
     print(f"[bench] done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

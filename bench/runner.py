@@ -44,7 +44,11 @@ def run_job(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
         folder = run_local(fuse(default_run_config(), overrides), job["num_clients"], quiet=True)
     except USER_ERRORS as err:
         error, folder = str(err), Path(run_dir) / job["name"]
-    seconds = time.perf_counter() - start
+    return record_of(job, folder, time.perf_counter() - start, error)
+
+
+def record_of(job: dict[str, Any], folder: Path, seconds: float, error: str | None) -> dict[str, Any]:
+    """The runs.jsonl record of ``job`` from its run folder."""
     summary = {} if error else json.loads((folder / "summary.json").read_text())
     rows = []
     if (folder / "metrics.jsonl").is_file():
@@ -53,6 +57,29 @@ def run_job(job: dict[str, Any], run_dir: str) -> dict[str, Any]:
     return {**job["id"], "key": job["key"], **{k: summary.get(k) for k in SUMMARY_FIELDS},
             "seconds": round(seconds, 2), "run_folder": str(folder), "accg_curve": curve,
             "error": error, "last_round": rows[-1]["round"] if rows else None}
+
+
+def records_from_study(jobs: list[dict[str, Any]], study_folder: Path) -> list[dict[str, Any]]:
+    """The runs.jsonl records of ``jobs`` made by a study (fedaccel-sweep)
+    instead of this script: each job is the cell whose run config has every
+    one of the job's overrides (values and types); seconds are the run's own
+    (summary.json's total_seconds). A job with no finished cell is an error."""
+    cells = []
+    for folder in sorted((Path(study_folder) / "cells").iterdir()):
+        if (folder / "config.json").is_file():
+            cells.append((folder, json.loads((folder / "config.json").read_text())))
+    records = []
+    for job in jobs:
+        def same(config: dict[str, Any]) -> bool:
+            return all(k in config and config[k] == v and type(config[k]) is type(v)
+                       for k, v in job["overrides"].items())
+        found = [folder for folder, config in cells if same(config)]
+        if len(found) != 1 or not (found[0] / "summary.json").is_file():
+            raise SystemExit(f"[bench] {job['name']}: {len(found)} cells of {study_folder} match it"
+                             f"{'' if len(found) != 1 else ' (not finished)'}")
+        seconds = json.loads((found[0] / "summary.json").read_text())["total_seconds"]
+        records.append(record_of(job, found[0], seconds, None))
+    return records
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:

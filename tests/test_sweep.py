@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -516,3 +517,29 @@ def test_an_unknown_federation_is_refused_before_any_cell(tmp_path, capsys, monk
         main([str(path), "--federation", "x", "--workers", "2"])
     assert usage.value.code == 2
     assert "--federation runs the cells one after another on Flower" in capsys.readouterr().err
+
+
+def test_a_bench_table_takes_its_runs_from_the_study_cells_that_equal_them(tmp_path, monkeypatch) -> None:
+    """``bench/gradient_correction.py --phase table --from-study``: each of
+    the script's runs is the study cell with every one of its overrides
+    (values and types), recorded as the script records its own runs."""
+    bench = _bench(monkeypatch, "gradient_correction")
+    jobs = [bench.make_run(bench.parse_args([]), "FedAvg", 0.3, seed) for seed in (0, 1)]
+    cells = tmp_path / "study" / "cells"
+    for job, accs in zip(jobs, ([0.5, 0.6], [0.55, 0.65])):
+        folder = cells / job["name"]
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({**job["overrides"], "run-name": job["name"]}))
+        (folder / "summary.json").write_text(json.dumps({"final_accg": accs[-1], "total_mb": 2.0,
+                                                         "total_seconds": 12.5}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"round": 5 * (i + 1), "accg": a}) + "\n"
+                                                      for i, a in enumerate(accs)))
+    runner = sys.modules["runner"]
+    records = runner.records_from_study(jobs, tmp_path / "study")
+    assert [(r["seed"], r["final_accg"], r["seconds"], r["accg_curve"]) for r in records] == [
+        (0, 0.6, 12.5, [[5, 0.5], [10, 0.6]]), (1, 0.65, 12.5, [[5, 0.55], [10, 0.65]])]
+    # a cell whose value differs only in type is not that run
+    config = cells / jobs[1]["name"] / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "seed": 1.0}))  # 1.0 == 1, a float
+    with pytest.raises(SystemExit, match=r"0 cells of .* match it"):
+        runner.records_from_study(jobs, tmp_path / "study")
