@@ -126,6 +126,7 @@ class RunConfig:
     clip_norm: float = 0.0  # resolved ``clip-norm``: max total gradient norm per local step, 0 = off
     cohort_batching: str = "off"  # fast runner: train a round's clients as one batched model (COHORT_BATCHING)
     cohort_chunk: int = 0  # clients per batched chunk; 0: sized to the memory available
+    logical_clients: int = 0  # > 0: that many clients, served in slices by the nodes (fedaccel.cohort_nodes)
     checkpoint_every: int = 0  # write a checkpoint after every k-th round (0: never; fedaccel.checkpoint)
     resume: str = ""  # a run folder or checkpoint file to continue from ("" = a new run)
     tracker: str = "none"  # where the per-round metrics go too (fedaccel.trackers.TRACKERS)

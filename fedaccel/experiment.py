@@ -32,6 +32,7 @@ from fedaccel.results import RunRecorder
 from fedaccel.trackers import open_tracker, require_tracker
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
 from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
+from fedaccel.cohort_nodes import CohortNodes
 from fedaccel.grids import PromptGrid
 from fedaccel.membership import Federation, query_partitions
 
@@ -271,9 +272,10 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     """
     cfg = parse_run_config(run_config)
     require_tracker(cfg.tracker, cfg.tracker_uri)  # a missing package refused before any work
-    if cfg.cohort_batching == "on" and not getattr(grid, "trains_cohorts", False):
-        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) only; "
-                           "Flower's engines train one client per node: use 'auto' or 'off'")
+    if cfg.cohort_batching == "on" and not (cfg.logical_clients or getattr(grid, "trains_cohorts", False)):
+        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run), "
+                           "or on cohort nodes (logical-clients > 0); with one client per node Flower's "
+                           "engines train one client per node: use 'auto' or 'off'")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
     shared_disk = None
@@ -286,6 +288,8 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     # a results folder that cannot be written fails now, not at the end
     run_dir = writable_run_dir(cfg, run_dir_of(resume.path) if resume is not None else None)
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
+    if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
+        grid = CohortNodes(grid, cfg.logical_clients, query_timeout=cfg.round_timeout)
     federation = discover_federation(grid, timeout=cfg.round_timeout)
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
     if resume is not None and resume.num_clients != federation.num_clients:

@@ -166,7 +166,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
 
     # before building anything, and before Flower's logging is changed (nothing to restore)
     cfg = parse_run_config(run_config)
-    require_memory(cfg, num_clients)
+    require_memory(cfg, cfg.logical_clients or num_clients)  # logical clients: the nodes serve that many
     require_tracker(cfg.tracker, cfg.tracker_uri)
     previous_level = FLOWER_LOGGER.level
     if not verbose:

@@ -249,6 +249,7 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         clip_norm=clip_norm,
         cohort_batching=_string(cfg, "cohort-batching", CHOICES["cohort-batching"]),
         cohort_chunk=_integer(cfg, "cohort-chunk", 0),
+        logical_clients=_integer(cfg, "logical-clients", 0),
         checkpoint_every=_integer(cfg, "checkpoint-every", 0),
         resume=_string(cfg, "resume"),
         tracker=_string(cfg, "tracker", CHOICES["tracker"]),
@@ -265,5 +266,5 @@ _REQUIRED = (
     "seed", "results-dir", "run-name", "target-accuracy", "eval-every", "accl-every",
     "local-test-fraction", "data-dir", "device", "sampler", "lr-schedule",
     "straggler-fraction", "straggler-policy", "client-state", "state-dir", "round-timeout",
-    "clip-norm", "cohort-batching", "cohort-chunk", "checkpoint-every", "resume", "tracker", "tracker-uri",
+    "clip-norm", "cohort-batching", "cohort-chunk", "logical-clients", "checkpoint-every", "resume", "tracker", "tracker-uri",
 )

@@ -35,6 +35,7 @@ from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.cohort import CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason
 from fedaccel.memory import available_bytes
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
+from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into, records_of
 from fedaccel.contract import ContractError
@@ -316,6 +317,69 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
             replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)
                           else _train_reply(msg, result))
     return replies  # type: ignore[return-value]
+
+
+def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Context]]:
+    """The clients of a cohort node's envelope (:mod:`fedaccel.cohort_nodes`):
+    each its own message and a Context with its own partition and state,
+    under its logical node id."""
+    if node_data_path(context):
+        raise config_error("logical-clients", "> 0", "logical clients are partitions of the run's dataset; "
+                           "a node with its own data-path is one client (set logical-clients=0)")
+    items = []
+    for pid, num, message in logical_messages(msg):
+        items.append((message, Context(
+            run_id=context.run_id, node_id=message.metadata.dst_node_id,
+            node_config={**dict(context.node_config), "partition-id": pid, "num-partitions": num},
+            state=client_state(context.state, pid), run_config=context.run_config)))
+    return items
+
+
+_COHORT_NODE_SAID: set[str] = set()  # what this process said about batching (once each)
+
+
+def _serve_logical_clients(msg: Message, context: Context, handle, batch=None) -> Message:
+    """Handle every client of an envelope (``handle(message, context)`` each,
+    or ``batch(items)`` for all at once) and pack their replies into one;
+    each client's state goes back into the node's."""
+    try:
+        items = logical_clients(msg, context)
+    except REPLY_ERRORS as err:
+        return user_error_reply(msg, context, err)
+    replies = batch(items) if batch is not None else [handle(m, c) for m, c in items]
+    for (message, ctx) in items:
+        keep_client_state(context.state, int(ctx.node_config["partition-id"]), ctx.state)
+    return Message(pack_replies(replies), reply_to=msg)
+
+
+@app.train(COHORT_ACTION)
+def train_logical_clients(msg: Message, context: Context) -> Message:
+    """A cohort node's ``train``: its clients of the round, trained as one
+    batched model when the run allows (:func:`cohort_fallback`), else one
+    after another, each exactly as :func:`train` trains it."""
+    def batch(items: list[tuple[Message, Context]]) -> list[Message]:
+        try:
+            reason = cohort_fallback(items[0][1]) if items else None
+        except REPLY_ERRORS:
+            reason = "the client could not start"  # each client's train() gives its error reply
+        if reason is not None and client_runtime(items[0][1]).cfg.cohort_batching == "on":
+            raise config_error("cohort-batching", "on", f"this run cannot be batched: {reason}")
+        said = reason or "batched"
+        if said not in _COHORT_NODE_SAID:
+            _COHORT_NODE_SAID.add(said)
+            log(INFO, "[fedaccel] %s", "this node trains its clients of a round as one batched model"
+                if reason is None else f"this node trains its clients one after another ({reason})")
+        return train_cohort(items) if reason is None else [train(m, c) for m, c in items]
+    try:
+        return _serve_logical_clients(msg, context, train, batch)
+    except REPLY_ERRORS as err:
+        return user_error_reply(msg, context, err)
+
+
+@app.evaluate(COHORT_ACTION)
+def evaluate_logical_clients(msg: Message, context: Context) -> Message:
+    """A cohort node's ``evaluate``: each of its clients, as :func:`evaluate`."""
+    return _serve_logical_clients(msg, context, evaluate)
 
 
 @app.evaluate()

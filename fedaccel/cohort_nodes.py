@@ -1,0 +1,260 @@
+"""Cohort nodes: logical clients served in slices by Flower's nodes.
+
+In Flower every client is a node: a simulated SuperNode, one ClientApp call
+per message. For the small models of federated benchmarks that makes a
+round of 100 clients 100 ClientApp calls, each paying Flower's and Ray's
+per-message cost, while one process could train the whole slice as one
+batched model (:mod:`fedaccel.clients.cohort`). With ``logical-clients = N``
+the run has ``N`` clients (data partitions ``0..N-1``) and the federation's
+``W`` nodes serve them: node ``k`` (its ``partition-id``) serves the clients
+``p`` with ``p % W == k``, always the same ones, so a client's
+``context.state`` stays on its node.
+
+Server side, :class:`CohortNodes` is a Grid view that shows every logical
+client as a node of its own (id ``LOGICAL_NODE_BASE + p``): the strategies,
+the membership and the commit protocol above it work per client exactly as
+on a federation of ``N`` nodes. ``send_and_receive`` packs the messages of
+a round that go to one node into one *envelope* (message type
+``train.cohort`` / ``evaluate.cohort``; a record the messages share, such
+as the global model, travels once) and unpacks the node's one reply into a
+reply per client. An envelope that gets no reply in time is every one of
+its clients' lost reply; an envelope's error reply is each of its clients'
+error reply. Queries to logical clients are answered here, from the slot
+each node reported (:func:`fedaccel.membership.query_partitions`).
+
+Client side, the ClientApp unpacks an envelope into one message and one
+:class:`~flwr.app.Context` per client (:func:`logical_messages`,
+:func:`client_state` / :func:`keep_client_state`) and handles them as the
+fast runner does: the round's slice trains as one batch.
+
+Written by hand: Flower has no notion of several clients behind one node.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from logging import INFO
+
+from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.app.metadata import Metadata
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedaccel.errors import FederationError
+from fedaccel.grids import GridView
+from fedaccel.membership import query_partitions
+
+COHORT_ACTION = "cohort"  # envelopes are "train.cohort" and "evaluate.cohort" messages
+LOGICAL_NODE_BASE = 1 << 62  # logical client p shows as node LOGICAL_NODE_BASE + p
+INDEX = "cohort"  # the envelope's index record
+REPLY_INDEX = "cohort-replies"  # the reply envelope's index record
+STATE_PREFIX = "client-"  # a logical client's records in its node's context.state: client-<p>/<key>
+
+
+def logical_node_id(partition_id: int) -> int:
+    return LOGICAL_NODE_BASE + partition_id
+
+
+def partition_of_logical_node(node_id: int) -> int:
+    return node_id - LOGICAL_NODE_BASE
+
+
+# ----------------------------------------------------------------- envelopes
+def pack_envelope(messages: list[Message], num_clients: int) -> RecordDict:
+    """One RecordDict carrying ``messages`` (to logical clients): each
+    message's records under ``<i>/<name>``, a record object that several
+    messages share stored once (the global model), and an index."""
+    content, stored, names, refs, targets = RecordDict(), {}, [], [], []
+    for i, message in enumerate(messages):
+        for name, record in message.content.items():
+            key = f"{i}/{name}"
+            names.append(key)
+            if id(record) in stored:
+                refs.append(key)
+                targets.append(stored[id(record)])
+            else:
+                stored[id(record)] = key
+                content[key] = record
+    content[INDEX] = ConfigRecord({
+        "partitions": [partition_of_logical_node(m.metadata.dst_node_id) for m in messages],
+        "num-partitions": num_clients, "names": names, "refs": refs, "targets": targets})
+    return content
+
+
+def logical_messages(envelope: Message) -> list[tuple[int, int, Message]]:
+    """``(partition id, num-partitions, message)`` for every client of an
+    envelope: the message it would have got as a node of its own (type
+    ``train`` or ``evaluate``, its own node id), to reply to as usual."""
+    index = envelope.content[INDEX]
+    refs = dict(zip(index.get("refs", []), index.get("targets", [])))
+    contents = [RecordDict() for _ in index["partitions"]]
+    for key in index.get("names", []):
+        i, name = key.split("/", 1)
+        contents[int(i)][name] = envelope.content[refs.get(key, key)]
+    md = envelope.metadata
+    category = md.message_type.split(".", 1)[0]
+    out = []
+    for pid, content in zip(index["partitions"], contents):
+        metadata = Metadata(run_id=md.run_id, message_id=f"{md.message_id}/{pid}", src_node_id=md.src_node_id,
+                            dst_node_id=logical_node_id(int(pid)), reply_to_message_id="",
+                            group_id=md.group_id, created_at=md.created_at, ttl=md.ttl,
+                            message_type=category)
+        out.append((int(pid), int(index["num-partitions"]), Message(content=content, metadata=metadata)))
+    return out
+
+
+def pack_replies(replies: list[Message]) -> RecordDict:
+    """The node's one reply: each client's reply records under ``<i>/<name>``,
+    or its error (code and reason) in the index."""
+    content, names, errors, codes, reasons = RecordDict(), [], [], [], []
+    for i, reply in enumerate(replies):
+        if reply.has_error():
+            errors.append(i)
+            codes.append(int(reply.error.code))
+            reasons.append(str(reply.error.reason))
+            continue
+        for name, record in reply.content.items():
+            names.append(f"{i}/{name}")
+            content[f"{i}/{name}"] = record
+    content[REPLY_INDEX] = ConfigRecord({"count": len(replies), "names": names, "errors": errors,
+                                         "codes": codes, "reasons": reasons})
+    return content
+
+
+def unpack_replies(content: RecordDict, messages: list[Message]) -> list[Message]:
+    """The replies to ``messages`` (the logical messages of one envelope, in
+    its order) from the node's reply envelope."""
+    index = content[REPLY_INDEX]
+    if int(index["count"]) != len(messages):
+        raise ValueError(f"a cohort node answered {index['count']} of {len(messages)} clients")
+    errors = {int(i): (int(c), str(r)) for i, c, r in
+              zip(index.get("errors", []), index.get("codes", []), index.get("reasons", []))}
+    records: list[RecordDict] = [RecordDict() for _ in messages]
+    for key in index.get("names", []):
+        i, name = key.split("/", 1)
+        records[int(i)][name] = content[key]
+    return [Message(Error(*errors[i]), reply_to=m) if i in errors else Message(records[i], reply_to=m)
+            for i, m in enumerate(messages)]
+
+
+# ------------------------------------------------------- client state on a node
+def client_state(node_state: RecordDict, partition_id: int) -> RecordDict:
+    """Logical client ``partition_id``'s ``context.state``: its records in its
+    node's ``context.state`` (``client-<p>/<key>``), as a RecordDict of their own."""
+    prefix = f"{STATE_PREFIX}{partition_id}/"
+    return RecordDict({k[len(prefix):]: v for k, v in node_state.items() if k.startswith(prefix)})
+
+
+def keep_client_state(node_state: RecordDict, partition_id: int, state: RecordDict) -> None:
+    """Store ``state`` as logical client ``partition_id``'s records in its node's state."""
+    prefix = f"{STATE_PREFIX}{partition_id}/"
+    for key in [k for k in node_state.keys() if k.startswith(prefix)]:
+        del node_state[key]
+    for key, record in state.items():
+        node_state[prefix + key] = record
+
+
+# ------------------------------------------------------------- server side
+class CohortNodes(GridView):
+    """A Grid whose nodes are ``num_clients`` logical clients, served by the
+    nodes of ``grid`` (node ``k`` of ``W`` serves the clients ``p % W == k``;
+    ``k`` and ``W`` are the node's ``partition-id`` and ``num-partitions``).
+
+    Only ``send_and_receive`` is offered (what Flower's strategies and this
+    project's server use): the logical messages of one call are sent as one
+    envelope per node and message type, and a node's reply envelope becomes
+    a reply per client. A node that has not answered which slot it serves,
+    or that is offline, leaves its clients without a reply (as an offline
+    node would). ``query_timeout``: how long a node has to say which slot it
+    serves.
+    """
+
+    trains_cohorts = True  # each node trains its slice of a round as one batch
+
+    def __init__(self, grid: Grid, num_clients: int, query_timeout: float) -> None:
+        super().__init__(grid)
+        self.num_clients = num_clients
+        self.query_timeout = query_timeout
+        self._slot: dict[int, int] = {}  # node id -> the slot k it serves
+        self._node_of_slot: dict[int, int] = {}
+        self._num_nodes: int | None = None  # W, as the nodes report it
+        self._ignored: set[int] = set()
+
+    @property
+    def num_nodes(self) -> int | None:
+        return self._num_nodes
+
+    def _follow_nodes(self) -> list[int]:
+        """Ask nodes not seen before which slot they serve; returns the online node ids."""
+        online = list(self._grid.get_node_ids())
+        new = [n for n in online if n not in self._slot and n not in self._ignored]
+        if new:
+            for node, answer in query_partitions(self._grid, new, self.query_timeout).items():
+                if isinstance(answer, str):
+                    raise FederationError(f"node {node} could not report which clients it serves: {answer}")
+                slot, num_nodes = answer
+                if self._num_nodes is None:
+                    self._num_nodes = num_nodes
+                    log(INFO, "[fedaccel] %s logical clients on %s cohort nodes (node k serves the clients "
+                        "p with p %% %s == k; logical-clients)", self.num_clients, num_nodes, num_nodes)
+                elif num_nodes != self._num_nodes:
+                    raise FederationError(f"nodes disagree on num-partitions ({num_nodes} vs {self._num_nodes}); "
+                                          "give every node the same num-partitions")
+                old = self._node_of_slot.get(slot)
+                if old is not None and old in online:
+                    raise FederationError(f"two nodes claim partition-id={slot}; each needs its own")
+                self._slot[node] = slot
+                self._node_of_slot[slot] = node  # a restarted node takes its slot over
+        return online
+
+    def get_node_ids(self) -> Iterable[int]:
+        online = set(self._follow_nodes())
+        if self._num_nodes is None:
+            return []
+        return [logical_node_id(p) for p in range(self.num_clients)
+                if self._node_of_slot.get(p % self._num_nodes) in online]
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError("CohortNodes sends logical messages through send_and_receive only")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError("CohortNodes sends logical messages through send_and_receive only")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        self._follow_nodes()
+        replies: list[Message] = []
+        groups: dict[tuple[int, str], list[Message]] = {}
+        for message in messages:
+            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # ids as a Grid gives them on push
+            pid = partition_of_logical_node(message.metadata.dst_node_id)
+            if not 0 <= pid < self.num_clients:
+                replies.append(Message(Error(0, f"unknown node {message.metadata.dst_node_id}"), reply_to=message))
+            elif message.metadata.message_type == MessageType.QUERY:
+                record = ConfigRecord({"partition-id": pid, "num-partitions": self.num_clients})
+                replies.append(Message(RecordDict({"partition": record}), reply_to=message))
+            elif self._num_nodes and pid % self._num_nodes in self._node_of_slot:
+                node = self._node_of_slot[pid % self._num_nodes]
+                groups.setdefault((node, message.metadata.message_type), []).append(message)
+            # else: no node serves this client now; it gets no reply, as an offline node
+        envelopes = []
+        for (node, message_type), group in groups.items():
+            first = group[0].metadata
+            envelopes.append((Message(pack_envelope(group, self.num_clients), node,
+                                      f"{message_type}.{COHORT_ACTION}", ttl=first.ttl, group_id=first.group_id),
+                              group))
+        if not envelopes:
+            return replies
+        answers = {(r.metadata.src_node_id, r.metadata.message_type): r
+                   for r in self._grid.send_and_receive([e for e, _ in envelopes], timeout=timeout)}
+        for envelope, group in envelopes:
+            answer = answers.get((envelope.metadata.dst_node_id, envelope.metadata.message_type))
+            if answer is None:
+                continue  # lost or late: none of its clients replied
+            if answer.has_error():
+                replies.extend(Message(Error(answer.error.code, answer.error.reason), reply_to=m) for m in group)
+            else:
+                replies.extend(unpack_replies(answer.content, group))
+        return replies
+

@@ -1,0 +1,225 @@
+"""Cohort nodes (``logical-clients``): Flower nodes that serve logical clients in slices.
+
+The envelope codec by hand; runs on the fast runner's in-process Grid, whose
+nodes then play Flower's simulated SuperNodes, equal bit for bit to the same
+clients as nodes of their own (the per-client path) and to float32 rounding
+when each node trains its slice as one batch; and the commit protocol's
+two-sided invariants when a node's whole reply is lost, when it is an error,
+and when one client's reply inside it is rejected. The same through Flower's
+Ray simulation is in tests/test_flwr_run.py (engine matrix).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+
+from fedaccel.apps.client_app import app as client_app
+from fedaccel.clients.state import ContextState
+from fedaccel.cohort_nodes import (CohortNodes, client_state, keep_client_state, logical_messages,
+                                   logical_node_id, pack_envelope, pack_replies, unpack_replies)
+from fedaccel.experiment import Experiment, discover_federation
+from fedaccel.grids import PromptGrid
+from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
+from fedaccel.local_run import default_run_config, fuse, run_local
+from fedaccel.run_config import parse_run_config
+from test_state_protocol import STATE_NAME, effective_version, mean_over_all
+
+pytestmark = pytest.mark.usefixtures("server_identity")
+
+
+# --------------------------------------------------------------------------- #
+# the envelope codec
+# --------------------------------------------------------------------------- #
+def test_an_envelope_carries_each_clients_message_and_a_shared_record_once():
+    model = ArrayRecord({"w": Array(np.arange(3, dtype=np.float32))})
+    own = ArrayRecord({"c": Array(np.ones(2, dtype=np.float32))})
+    messages = [Message(RecordDict({"arrays": model, "config": ConfigRecord({"server-round": 4, "p": p})}),
+                        logical_node_id(p), "train", group_id="4") for p in (5, 2)]
+    messages[1].content["scaffold.c"] = own
+    envelope = pack_envelope(messages, num_clients=9)
+    assert [k for k, r in envelope.items() if isinstance(r, ArrayRecord)] == ["0/arrays", "1/scaffold.c"]
+    envelope_msg = Message(envelope, 77, "train.cohort", group_id="4")
+    envelope_msg.metadata.__dict__["_message_id"] = "env"
+    unpacked = logical_messages(envelope_msg)
+    assert [(pid, n) for pid, n, _ in unpacked] == [(5, 9), (2, 9)]
+    for (pid, _, message), original in zip(unpacked, messages):
+        assert message.metadata.message_type == "train"
+        assert message.metadata.dst_node_id == logical_node_id(pid)
+        assert message.metadata.group_id == "4"
+        assert list(message.content.keys()) == list(original.content.keys())
+        assert message.content["arrays"]["w"].numpy().tolist() == [0.0, 1.0, 2.0]
+        assert message.content["config"]["p"] == pid
+    assert unpacked[1][2].content["scaffold.c"]["c"].numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_reply_envelope_gives_each_client_its_reply_or_its_error():
+    sent = [Message(RecordDict({"config": ConfigRecord()}), logical_node_id(p), "train") for p in range(3)]
+    for i, m in enumerate(sent):
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+    replies = [Message(RecordDict({"arrays": ArrayRecord(), "metrics": MetricRecord({"num-examples": 7})}),
+                       reply_to=sent[0]),
+               Message(Error(CLIENT_APP_RAISED_EXCEPTION, "node 9 (partition 1): data file corrupted"),
+                       reply_to=sent[1]),
+               Message(RecordDict({"metrics": MetricRecord({"num-examples": 3})}), reply_to=sent[2])]
+    back = unpack_replies(pack_replies(replies), sent)
+    assert [m.metadata.src_node_id for m in back] == [logical_node_id(p) for p in range(3)]
+    assert [m.metadata.reply_to_message_id for m in back] == ["m0", "m1", "m2"]
+    assert back[1].has_error() and back[1].error.reason == "node 9 (partition 1): data file corrupted"
+    assert back[0].content["metrics"]["num-examples"] == 7 and back[2].content["metrics"]["num-examples"] == 3
+    with pytest.raises(ValueError, match="answered 3 of 2 clients"):
+        unpack_replies(pack_replies(replies), sent[:2])
+
+
+def test_each_logical_clients_state_lives_under_its_own_keys_in_its_nodes_state():
+    node_state = RecordDict({"client-3/old": ConfigRecord({"v": 1}), "client-30/x": ConfigRecord({"v": 2})})
+    assert list(client_state(node_state, 3).keys()) == ["old"]
+    keep_client_state(node_state, 3, RecordDict({"new": ConfigRecord({"v": 3})}))
+    assert sorted(node_state.keys()) == ["client-3/new", "client-30/x"]  # client 30 untouched
+    assert client_state(node_state, 3)["new"]["v"] == 3
+
+
+# --------------------------------------------------------------------------- #
+# runs: cohort nodes against one node per client
+# --------------------------------------------------------------------------- #
+def _run(tmp_path, name, nodes, **overrides):
+    config = fuse(default_run_config(), {
+        "num-server-rounds": 3, "clients-per-round": 5, "local-epochs": 1, "synthetic.max-samples": 80,
+        "accl-every": 3, "results-dir": str(tmp_path), "run-name": name, "state-dir": str(tmp_path / "state"),
+        **overrides})
+    folder = run_local(config, nodes, quiet=True)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return dict(np.load(folder / "final_model.npz")), rows
+
+
+COMPARED = ("accg", "loss", "accl", "train_loss", "bytes_up", "bytes_down", "clients", "failures")
+
+
+@pytest.mark.parametrize("algo,state", [("fedavg", "context"), ("scaffold", "context"), ("fedcdr", "disk")])
+def test_cohort_nodes_equal_one_node_per_client_bit_for_bit(tmp_path, algo, state):
+    """12 clients on 3 nodes (``logical-clients=12``), each client trained as
+    alone: the same run as 12 nodes, to the bit: model, metrics, bytes."""
+    kw = {"algo": algo, "client-state": state}
+    model, rows = _run(tmp_path, "nodes", 3, **kw, **{"logical-clients": 12})
+    ref_model, ref_rows = _run(tmp_path, "clients", 12, **kw)
+    assert all(np.array_equal(model[k], ref_model[k]) for k in ref_model)
+    assert [{k: r.get(k) for k in COMPARED} for r in rows] == [{k: r.get(k) for k in COMPARED} for r in ref_rows]
+
+
+def test_a_cohort_node_trains_its_slice_as_one_batch(tmp_path, monkeypatch):
+    """With cohort-batching, each node's share of a round trains as one batched
+    model (equal to training the clients alone to float32 rounding)."""
+    import fedaccel.apps.client_app as ca
+
+    sizes = []
+    real = ca.fit_cohort
+    monkeypatch.setattr(ca, "fit_cohort", lambda model, jobs, *a, **k: sizes.append(len(jobs)) or real(model, jobs, *a, **k))
+    kw = {"algo": "fedprox", "clients-per-round": 8}
+    model, rows = _run(tmp_path, "batched", 3, **kw, **{"logical-clients": 12, "cohort-batching": "on"})
+    assert len(sizes) == 9 and sum(sizes) == 3 * 8 and max(sizes) > 1  # 3 rounds x 3 nodes
+    ref_model, ref_rows = _run(tmp_path, "alone", 12, **kw)
+    for k in ref_model:
+        np.testing.assert_allclose(model[k], ref_model[k], atol=2e-5, rtol=1e-4)
+    assert [r["accg"] for r in rows] == pytest.approx([r["accg"] for r in ref_rows], abs=0.02)
+
+
+# --------------------------------------------------------------------------- #
+# faults: the two-sided state invariants
+# --------------------------------------------------------------------------- #
+class EnvelopeFaults(LocalGrid):
+    """The fast runner's Grid as Flower's simulation with 3 nodes, with faults
+    on the nodes' reply envelopes: ``faults[round]`` maps a node's slot to
+    ``lose`` (its reply never arrives: all its clients' replies are lost),
+    ``crash`` (an error reply: every client's reply is that error) or ``nan``
+    (its first client's reply carries non-finite values and is rejected)."""
+
+    def __init__(self, *args, faults, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+        self.applied: list[tuple[int, int, str]] = []
+
+    def deliver(self, message):
+        reply = super().deliver(message)
+        if message.metadata.message_type != "train.cohort":
+            return reply
+        server_round = int(message.content["0/config"]["server-round"])
+        slot = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
+        kind = self.faults.get(server_round, {}).get(slot)
+        if kind is None:
+            return reply
+        self.applied.append((server_round, slot, kind))
+        if kind == "lose":
+            reply.metadata.__dict__["_lost"] = True
+        elif kind == "crash":
+            reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, "SuperNode died after training"), reply_to=message)
+        elif kind == "nan":
+            arrays = reply.content["0/arrays"]
+            reply.content["0/arrays"] = ArrayRecord({k: Array(np.full(a.shape, np.nan, dtype=np.float32))
+                                                     for k, a in arrays.items()})
+        return reply
+
+    def pull_messages(self, message_ids):
+        return [r for r in super().pull_messages(message_ids) if not r.metadata.__dict__.get("_lost")]
+
+
+def logical_states(grid: EnvelopeFaults, strategy, name: str, num_clients: int) -> dict:
+    """Every logical client's effective state (its node's context.state, its
+    own keys), checked to be the version of the round the server applied."""
+    node_of_slot = {int(c.node_config["partition-id"]): c for c in grid.contexts.values()}
+    out = {}
+    for pid in range(num_clients):
+        store = ContextState(client_state(node_of_slot[pid % len(node_of_slot)].state, pid))
+        accepted = strategy.accepted_round.get(pid, 0)
+        version = effective_version(store, accepted)
+        assert version == accepted, f"client {pid}: the server applied round {accepted}, it holds {version}"
+        tensors = store.read_version(version, name, "cpu")
+        out[pid] = None if tensors is None else {k: v.double().numpy() for k, v in tensors.items()}
+    return out
+
+
+@pytest.mark.parametrize("algo", ["scaffold", "fedcdr"])
+def test_invariants_hold_when_a_nodes_reply_is_lost_an_error_or_partly_rejected(tmp_path, algo):
+    faults = {2: {0: "lose"}, 3: {1: "crash"}, 4: {2: "nan", 0: "lose"}}
+    num_clients, rounds = 9, 5
+    run_config = fuse(default_run_config(), {
+        "algo": algo, "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
+        "accl-every": 0, "synthetic.max-samples": 60, "client-state": "context",
+        "logical-clients": num_clients, "results-dir": str(tmp_path / "results"), "run-name": algo,
+        "round-timeout": 0.5})
+    grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
+    cfg = parse_run_config(run_config)
+    view = CohortNodes(PromptGrid(grid), num_clients, query_timeout=5.0)
+    experiment = Experiment(cfg, discover_federation(view), quiet=True)
+    x0: dict[str, np.ndarray] = {}
+    checked_rounds = []
+    on_round_end = experiment.on_round_end
+
+    def checked(server_round, arrays):
+        out = on_round_end(server_round, arrays)
+        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        if server_round == 0:
+            x0.update(model)
+            return out
+        states = logical_states(grid, experiment.strategy, STATE_NAME[algo], num_clients)
+        if algo == "scaffold":
+            zeros = {k: np.zeros_like(v) for k, v in x0.items()}
+            server, clients = experiment.strategy.c, mean_over_all(states, "c", experiment.strategy.c, zeros)
+        else:
+            server, clients = model, mean_over_all(states, "xhat", model, x0)
+        error = max(float(np.abs(np.asarray(server[k], dtype=np.float64) - clients[k]).max()) for k in server)
+        assert error < 1e-5, f"round {server_round}: server and clients disagree by {error:.3g}"
+        checked_rounds.append(server_round)
+        return out
+
+    experiment.on_round_end = checked
+    experiment.run(view)
+    assert checked_rounds == list(range(1, rounds + 1))
+    # each kind of fault happened (a fault on a node none of whose clients
+    # were sampled that round has nothing to act on: FedCDR's reshuffled cohorts)
+    assert {kind for *_, kind in grid.applied} == {"lose", "crash", "nan"}
+    logs = experiment.strategy.rounds
+    assert sum(log.rejected for log in logs.values()) == 1
+    assert all(logs[r].failures >= 1 for r, _, _ in grid.applied)
