@@ -167,6 +167,21 @@ def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "f" / "summary.json").exists() and not (tmp_path / "f" / "final_model.npz").exists()
 
 
+def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
+    """``flwr run`` drops a --run-config token that is not key=value (Flower's
+    parser, before the app sees the config); ``fedaccel-run --check`` with the
+    same string refuses it, and accepts a good one, writing nothing."""
+    code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedprox' lr=0.02 results-dir='{tmp_path}'")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [f"fedaccel-run: run config OK for 20 clients: algo='fedprox' lr=0.02 "
+                                f"results-dir='{tmp_path}'"]
+    code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedavg' lr results-dir='{tmp_path}'")
+    assert code == 2 and out == "" and "--run-config: 'lr' is not key=value" in one_error_line(err)
+    code, _, err = run_cli(capsys, "--check", "clients-per-round=30", f"results-dir='{tmp_path}'")
+    assert code == 2 and "exceeds the 20 clients" in one_error_line(err)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("case", ["yaml", "dangling", "results-file", "memory"])
 def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
     """The installed ``fedaccel-run``, stderr to a pipe, one mistake of each
