@@ -9,6 +9,7 @@ at the end of a run, the errors that recurred are counted
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from logging import WARNING
 
@@ -20,6 +21,28 @@ def last_line(reason: str | None) -> str:
     """The last line of an error reason (Flower's reasons end with the exception)."""
     lines = (reason or "").strip().splitlines()
     return lines[-1] if lines else "no reason given"
+
+
+# How Flower's engines word an exception raised in a ClientApp:
+# a SuperNode "<class 'RuntimeError'>:<'disk on fire'>", the Ray simulation
+# "<class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException
+# ClientAppException occurred. Message: disk on fire'>" (the type is lost).
+_FLOWER_REASON = re.compile(r"^<class '(?:[\w.]*\.)?(\w+)'>:<'(.*)'>$", re.DOTALL)
+_RAY_WRAPPER = "Exception ClientAppException occurred. Message: "
+
+
+def exception_cause(reason: str | None) -> str:
+    """One line for an exception Flower turned into an error reply, worded as
+    the fast runner words it (``RuntimeError: disk on fire``) on every engine;
+    the Ray simulation does not pass the type on, so there it is the message alone."""
+    match = _FLOWER_REASON.match((reason or "").strip())
+    if not match:
+        return last_line(reason)
+    kind, text = match.group(1), match.group(2).strip()
+    if text.startswith(_RAY_WRAPPER):
+        kind, text = "", text[len(_RAY_WRAPPER):]
+    text = last_line(text)
+    return f"{kind}: {text}" if kind else text
 
 
 class ClientErrorLog:
@@ -52,7 +75,7 @@ class ClientErrorLog:
         if text.startswith(f"node {node} (partition ") and "): " in text:
             who, cause = text.split("): ", 1)
             return who + ")", cause
-        return f"node {node} (partition {self.partition_of_node().get(node, '?')})", text
+        return f"node {node} (partition {self.partition_of_node().get(node, '?')})", exception_cause(reply.error.reason)
 
     def report(self, server_round: int, replies: list[Message], phase: str = "") -> int:
         """Log each error reply's node and cause at WARNING, once per run (and

@@ -81,7 +81,9 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
                     f"{len(silent)} online node(s) did not say which partition they hold within "
                     f"{timeout:.0f} s ({len(partition_of)} did): each answer starts a ClientApp, "
                     "which a busy or slow machine delays; raise round-timeout (the discovery "
-                    "waits as long as a round) or run fewer runs at once")
+                    "waits as long as a round) or run fewer runs at once; in Flower's simulation, "
+                    f"{len(silent) + len(partition_of)} SuperNodes can be more than this machine answers for "
+                    "in that time: set fewer (fedaccel-federations size local-simulation N)")
             raise FederationError(
                 f"only {len(partition_of)} of {expected if expected is not None else '?'} clients "
                 f"registered within {timeout:.0f} s; {MISSING_NODES_HINT}")

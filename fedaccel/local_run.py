@@ -243,6 +243,22 @@ def resume_config(where: str, overrides: dict[str, Any], num_clients: int | None
     return fuse(default_run_config(), run_config), manifest["num-clients"]
 
 
+def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
+    """``--check``: what a run refuses before any work, without the run."""
+    from fedaccel.memory import require_memory
+    from fedaccel.run_config import parse_run_config
+    from fedaccel.trackers import require_tracker
+
+    cfg = parse_run_config(run_config)
+    cfg.cohort_size(num_clients)
+    require_memory(cfg, num_clients)
+    require_tracker(cfg.tracker, cfg.tracker_uri)
+    defaults = default_run_config()
+    changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
+                       for k, v in run_config.items() if defaults.get(k) != v)  # as flwr run's --run-config
+    print(f"fedaccel-run: run config OK for {num_clients} clients" + (f": {changed}" if changed else " (all defaults)"))
+
+
 EXIT_CODES_HELP = """exit codes:
   0  the run finished; its results folder is printed last
   1  a bug in fedaccel (a traceback; please report it)
@@ -272,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue a run from its newest checkpoint (a run folder), or from the "
                              "checkpoint file given, with the run's own config (docs/checkpoints.md)")
     parser.add_argument("--list", action="store_true", help="list the algorithms and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check the run config (and the memory for --num-clients) and exit without running; "
+                             "flwr run drops a --run-config token that is not key=value, this refuses it")
     parser.add_argument("--quiet", action="store_true",
                         help="no per-round progress lines (the results folder is still printed)")
     parser.add_argument("--verbose", action="store_true", help="show Flower's own INFO logs")
@@ -296,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_config = fuse(default_run_config(), overrides)
             num_clients = args.num_clients or DEFAULT_NUM_CLIENTS
+        if args.check:
+            check_run_config(run_config, num_clients)
+            return 0
         with stop_on_sigint():
             run_local(run_config, num_clients=num_clients, quiet=args.quiet, verbose=args.verbose)
     except USER_ERRORS as err:  # one line, once, plain: the message says what to change

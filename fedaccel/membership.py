@@ -15,7 +15,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from fedaccel.client_errors import last_line
+from fedaccel.client_errors import exception_cause
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def query_partitions(grid: Grid, node_ids: list[int], timeout: float) -> dict[in
     for reply in grid.send_and_receive(messages, timeout=timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
-            found[node] = last_line(reply.error.reason)
+            found[node] = exception_cause(reply.error.reason)
             continue
         rec = reply.content.config_records["partition"]
         found[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))

@@ -67,6 +67,7 @@ def test_malformed_yaml_files(tmp_path, capsys, text, wanted):
     study.write_text(text)
     code, _, err = run_cli(capsys, "--config", str(study), f"results-dir='{tmp_path / 'out'}'", *SMALL)
     assert code == 2 and wanted in one_error_line(err)
+    assert not (tmp_path / "out").exists()  # refused before any work
 
 
 def test_results_dir_that_is_a_file_is_exit_3(tmp_path, capsys):
@@ -76,6 +77,7 @@ def test_results_dir_that_is_a_file_is_exit_3(tmp_path, capsys):
     line = one_error_line(err)
     assert code == 3 and f"results-dir='{blocker}': cannot write the run folder" in line
     assert "set results-dir to a writable folder" in line
+    assert blocker.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [blocker]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
@@ -144,6 +146,66 @@ def test_piped_error_is_one_plain_line(tmp_path):
                            + ", ".join(__import__("fedaccel.registry", fromlist=["x"]).algorithm_names())
                            + "\n")
     assert "\x1b[" not in proc.stdout + proc.stderr
+
+
+def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch):
+    """Every client of a round fails: one line with the cause, exit 4, and the
+    run folder says failed (with that line) instead of looking finished."""
+    import json
+
+    import fedaccel.clients.base
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='f'", "--quiet", *SMALL)
+    line = one_error_line(err)
+    assert code == 4 and "disk on fire" in line
+    status = json.loads((tmp_path / "f" / "status.json").read_text())
+    assert status["state"] == "failed" and "disk on fire" in status["error"]
+    assert not (tmp_path / "f" / "summary.json").exists() and not (tmp_path / "f" / "final_model.npz").exists()
+
+
+def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
+    """``flwr run`` drops a --run-config token that is not key=value (Flower's
+    parser, before the app sees the config); ``fedaccel-run --check`` with the
+    same string refuses it, and accepts a good one, writing nothing."""
+    code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedprox' lr=0.02 results-dir='{tmp_path}'")
+    assert code == 0 and err == ""
+    assert out.splitlines() == [f"fedaccel-run: run config OK for 20 clients: algo='fedprox' lr=0.02 "
+                                f"results-dir='{tmp_path}'"]
+    code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedavg' lr results-dir='{tmp_path}'")
+    assert code == 2 and out == "" and "--run-config: 'lr' is not key=value" in one_error_line(err)
+    code, _, err = run_cli(capsys, "--check", "clients-per-round=30", f"results-dir='{tmp_path}'")
+    assert code == 2 and "exceeds the 20 clients" in one_error_line(err)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case", ["yaml", "dangling", "results-file", "memory"])
+def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
+    """The installed ``fedaccel-run``, stderr to a pipe, one mistake of each
+    kind of the issue: one plain line naming what to fix, its exit code,
+    nothing in the results folder."""
+    exe = Path(sys.executable).parent / "fedaccel-run"
+    results = tmp_path / "results"
+    bad_yaml = tmp_path / "study.yaml"
+    bad_yaml.write_text("algo: [fedavg\n")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    args, code, wanted = {
+        "yaml": (["--config", str(bad_yaml)], 2, f"--config {bad_yaml}: not valid YAML at line 2"),
+        "dangling": (["--run-config", "algo='fedavg' lr"], 2, "--run-config: 'lr' is not key=value"),
+        "results-file": ([f"results-dir='{blocker}'"], 3, f"results-dir='{blocker}': cannot write the run folder"),
+        "memory": (["--num-clients", "100000000"], 3, "100,000,000 clients need about"),
+    }[case]
+    proc = subprocess.run([str(exe), f"results-dir='{results}'", *SMALL[:-2], *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "" and "\x1b[" not in proc.stderr and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("fedaccel-run: error: ") and wanted in line
+    assert not results.exists() and blocker.read_text() == "x"
 
 
 @pytest.mark.parametrize("entity", ["ServerApp", "Simulation"])

@@ -353,9 +353,12 @@ def test_server_names_the_node_of_an_error_flower_wrote(engine, caplog):
     with caplog.at_level(logging.INFO, logger="flwr"), pytest.raises(RoundFailedError) as info:
         strategy.aggregate_train(1, replies)
     lines = server_lines(caplog)
-    assert len(lines) == 2 and all("\n" not in line for line in lines)
-    assert lines[0].startswith("[fedaccel] client failed in round 1: node 101 (partition 0): ")
-    assert "disk on fire" in lines[0] and "disk on fire" in str(info.value)
+    # worded as the fast runner words it (test_programming_error_is_reported_with_its_cause);
+    # Flower's Ray engine does not pass the exception's type on
+    cause = {"supernode": "RuntimeError: disk on fire", "ray": "disk on fire"}[engine]
+    assert lines == [f"[fedaccel] client failed in round 1: node 101 (partition 0): {cause}",
+                     f"[fedaccel] client failed in round 1: node 102 (partition 1): {cause}"]
+    assert f"node 101 (partition 0) and 1 other client: {cause}" in str(info.value)
 
 
 @pytest.mark.usefixtures("server_identity")

@@ -91,6 +91,9 @@ def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo, extra):
     assert proc.returncode == 0, out[-3000:]
     sim_dir = tmp_path / "sim" / algo
     assert "results written to" in out and str(sim_dir) in out
+    # --stream shows every round as it ends: accuracy, loss, MB, seconds
+    rounds = re.findall(r"\[fedaccel\] round +(\d+)/4 +accg [\d.]+ +loss [\d.]+ .*up [\d.]+ MB +down [\d.]+ MB +[\d.]+ s", out)
+    assert rounds == ["1", "2", "3", "4"], out[-3000:]
     for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png"):
         assert (sim_dir / name).is_file(), name
 
