@@ -13,7 +13,10 @@ For each workload and algorithm, one invocation times, on this machine:
 (b') ``cohort``: the same runner with the round's clients trained as one batched model
     (``cohort-batching='on'``);
 (c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
-    started cold for every run, 1 CPU per client).
+    started cold for every run, 1 CPU per client), one node per client;
+(c') ``ray-cohort``: the same with cohort nodes: ``--cohort-nodes`` nodes (default 2, one
+    per core here) serve the clients in slices (``logical-clients``), each node training
+    its share of a round as one batched model (``cohort-batching='auto'``).
 
 Workloads (100 clients, 10 per round unless ``--per-round``, 1 local epoch):
 ``mlp-synthetic`` (MLP 60-32-10 on Synthetic-(1,1), batch 16), ``mlp-fmnist`` (MLP
@@ -76,13 +79,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 ALGOS = ("fedavg", "fedcdr", "fedpm")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
-MODES = ("bare", "fast", "cohort", "ray")
+MODES = ("bare", "fast", "cohort", "ray", "ray-cohort")
 UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
 
 def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str,
               per_round: int = 10, mode: str = "fast") -> dict[str, Any]:
+    cohort_nodes = {"logical-clients": clients, "cohort-batching": "auto"} if mode == "ray-cohort" else {}
     # the bare loop's FedPM uploads the end-of-round FOOF matrix (what the
     # recorded measurements ran; FedPM's default is now upload 'used')
     fedpm = {"fedpm.upload": "end"} if algo == "fedpm" else {}
@@ -92,7 +96,7 @@ def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path
         "cohort-batching": "on" if mode == "cohort" else "off", "eval-every": rounds, "accl-every": 0,
         "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
         # the bare loop does not clip (FedPM's default is now clip-norm 1.0)
-        "clip-norm": 0,
+        "clip-norm": 0, **cohort_nodes,
     }
 
 
@@ -292,7 +296,7 @@ def ray_env(home: Path) -> dict[str, str]:
     return env
 
 
-def ray_run(ov: dict[str, Any], clients: int, env: dict[str, str]) -> dict[str, Any]:
+def ray_run(ov: dict[str, Any], nodes: int, env: dict[str, str]) -> dict[str, Any]:
     from fedaccel.superlink import stop_local_superlink
 
     stop_local_superlink(CONTROL_PORT)  # every run starts its SuperLink and Ray cold
@@ -301,7 +305,7 @@ def ray_run(ov: dict[str, Any], clients: int, env: dict[str, str]) -> dict[str, 
     start = time.perf_counter()
     with TreeRSS() as rss:
         proc = subprocess.run([flwr, "run", ".", "--run-config", text, "--federation-config",
-                               f"num-supernodes={clients}", "--stream"], cwd=ROOT, env=env,
+                               f"num-supernodes={nodes}", "--stream"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=3600)
         folder = Path(ov["results-dir"]) / ov["run-name"]
         while proc.returncode == 0 and not (folder / "summary.json").is_file() \
@@ -326,12 +330,12 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp: Path,
-            env: dict[str, str] | None, per_round: int = 10) -> dict[str, Any]:
+            env: dict[str, str] | None, per_round: int = 10, cohort_nodes: int = 2) -> dict[str, Any]:
     name = f"{workload}-{algo}-{mode}-{clients}-{per_round}"
     ov = overrides(workload, algo, rounds, clients, tmp, name, per_round, mode)
     start = time.perf_counter()
-    if mode == "ray":
-        res = ray_run(ov, clients, env)
+    if mode in ("ray", "ray-cohort"):
+        res = ray_run(ov, clients if mode == "ray" else cohort_nodes, env)
     else:
         proc = subprocess.run([sys.executable, __file__, "--child", mode, "--child-overrides", json.dumps(ov),
                                "--clients", str(clients)], capture_output=True, text=True, timeout=3600)
@@ -390,9 +394,10 @@ def write_table(out: Path) -> None:
              "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once). "
              "Ratios are time per round over the bare loop's: below 1 is faster than the bare loop.", "",
              "| workload | algo | per round | bare s/round | fast s/round | cohort s/round | ray s/round | "
-             "fast/bare | cohort/bare | ray/bare | start-up bare / fast / cohort / ray (s) | "
-             "peak RSS bare / fast / cohort / ray (MB) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ray-cohort s/round | fast/bare | cohort/bare | ray/bare | ray-cohort/bare | "
+             "start-up bare / fast / cohort / ray / ray-cohort (s) | "
+             "peak RSS bare / fast / cohort / ray / ray-cohort (MB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     per_rounds = sorted({key[4] for key in cells})
     for w in WORKLOADS:
         for a in ALGOS:
@@ -439,6 +444,8 @@ def main(argv=None) -> int:
                    help="alternate the bare and fast runs of each cell N times; report the median")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--per-round", type=int, default=10, help="clients per round (default 10)")
+    p.add_argument("--cohort-nodes", type=int, default=2,
+                   help="ray-cohort: the Flower nodes that serve the clients (default 2)")
     p.add_argument("--scale", action="store_true",
                    help="fast runner, mlp-synthetic, FedAvg and FedCDR at 100 and 1,000 clients")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
@@ -451,7 +458,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.phase == "run":
         with tempfile.TemporaryDirectory(prefix="fedaccel-overhead-") as tmp:
-            env = ray_env(Path(tmp) / "flwr-home") if "ray" in args.modes and not args.scale else None
+            env = (ray_env(Path(tmp) / "flwr-home")
+                   if {"ray", "ray-cohort"} & set(args.modes) and not args.scale else None)
             if args.scale:
                 groups = [[("fast", "mlp-synthetic", a, n)] for a in ("fedavg", "fedcdr") for n in (100, 1000)]
             else:
@@ -463,10 +471,10 @@ def main(argv=None) -> int:
                 repeats = 1 if group[0][1] == "cnn-fmnist" else max(args.repeat, 1)  # CNN rounds: seconds
                 for rep in range(repeats):
                     for mode, w, a, n in group:
-                        if rep and mode == "ray":
+                        if rep and mode in ("ray", "ray-cohort"):
                             continue
                         rounds = args.rounds or ROUNDS[w]
-                        rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round)
+                        rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round, args.cohort_nodes)
                         runs.setdefault(mode, []).append(rec)
                         print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} per round {args.per_round} "
                               f"run {rep + 1}: "
