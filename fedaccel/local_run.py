@@ -250,8 +250,9 @@ def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
     from fedaccel.trackers import require_tracker
 
     cfg = parse_run_config(run_config)
-    cfg.cohort_size(num_clients)
-    require_memory(cfg, num_clients)
+    clients = cfg.logical_clients or num_clients  # cohort nodes serve that many clients
+    cfg.cohort_size(clients)
+    require_memory(cfg, clients)
     require_tracker(cfg.tracker, cfg.tracker_uri)
     defaults = default_run_config()
     changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
