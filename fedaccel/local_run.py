@@ -257,7 +257,7 @@ def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
     defaults = default_run_config()
     changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
                        for k, v in run_config.items() if defaults.get(k) != v)  # as flwr run's --run-config
-    print(f"fedaccel-run: run config OK for {num_clients} clients" + (f": {changed}" if changed else " (all defaults)"))
+    print(f"fedaccel-run: run config OK for {clients} clients" + (f": {changed}" if changed else " (all defaults)"))
 
 
 EXIT_CODES_HELP = """exit codes:
