@@ -71,11 +71,13 @@ def toml_value(value) -> str:
     return f"'{value}'" if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def flwr_run(env: dict, run_config: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+def flwr_run(env: dict, run_config: dict, timeout: float = 300, nodes: int | None = NUM_CLIENTS,
+             federation: str = "local-simulation") -> subprocess.CompletedProcess:
+    """``flwr run`` on ``federation``, with ``nodes`` simulated nodes (None: the profile's size and resources)."""
     text = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
+    size = ["--federation-config", f"num-supernodes={nodes}"] if nodes is not None else []
     return subprocess.run(
-        [flwr_bin(), "run", ".", "--run-config", text,
-         "--federation-config", f"num-supernodes={NUM_CLIENTS}", "--stream"],
+        [flwr_bin(), "run", ".", federation, "--run-config", text, *size, "--stream"],
         cwd=project_dir(), env=env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -102,11 +104,71 @@ def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo, extra):
     sim, fast = rows(sim_dir), rows(fast_dir)
     test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
     assert len(sim) == len(fast) == 4
+    assert_same_rows(sim, fast, test_size)
+
+
+def assert_same_rows(sim: list[dict], fast: list[dict], test_size: int) -> None:
+    """Flower's rows equal the fast runner's: bytes exactly, accuracy to one
+    prediction, loss to 1e-4 (a Ray worker's torch threads may round otherwise)."""
+    assert len(sim) == len(fast)
     for s, f in zip(sim, fast):
         assert s["bytes_up"] == f["bytes_up"] and s["bytes_down"] == f["bytes_down"]
         assert abs(s["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
         assert s["loss"] == pytest.approx(f["loss"], rel=1e-4)
         assert (s["accl"] is None) == (f["accl"] is None)
+
+
+COHORT_NODES = {"logical-clients": 12, "clients-per-round": 8, "client-state": "context"}
+
+
+def test_cohort_nodes_in_flowers_simulation_match_the_fast_runner(flwr_env, tmp_path):
+    """SCAFFOLD (state on both sides) with 12 logical clients on 3 simulated
+    nodes, each node training its share of a round as one batch: the same
+    rows as the fast runner's 12 clients on 3 cohort nodes (docs/cohort-batching.md)."""
+    config = overrides("scaffold", tmp_path / "sim", **COHORT_NODES, **{"cohort-batching": "auto"})
+    proc = flwr_run(flwr_env, config, nodes=3)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    sim_dir = tmp_path / "sim" / "scaffold"
+    fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
+                         num_clients=3, quiet=True)
+    test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
+    assert json.loads((sim_dir / "config.json").read_text())["resolved"]["num-clients"] == 12
+    assert_same_rows(rows(sim_dir), rows(fast_dir), test_size)
+
+
+@pytest.mark.engine_matrix  # starts a two-node Ray cluster and its own SuperLink: ~60 s
+def test_cohort_nodes_on_a_multi_node_ray_cluster(tmp_path):
+    """The ``ray-cluster`` profile on a two-node Ray cluster
+    (``ray.cluster_utils.Cluster``, as two machines would be; RAY_ADDRESS set
+    before the SuperLink starts, as docs/cohort-batching.md says): two
+    cohort nodes serve 12 clients of FedCDR, equal to the fast runner's."""
+    from ray.cluster_utils import Cluster
+
+    home = tmp_path / "flwr-home"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": "39391",
+           "FLWR_LOCAL_CONTROL_API_PORT": "39393", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_ADDRESS": cluster.address}
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        for command in (["install"], ["size", "ray-cluster", "2"]):  # the profile's 1 CPU per node kept
+            subprocess.run([sys.executable, "-m", "fedaccel.federations", *command], env=env,
+                           check=True, capture_output=True)
+        config = overrides("fedcdr", tmp_path / "sim", **COHORT_NODES)
+        proc = flwr_run(env, config, nodes=None, federation="ray-cluster")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    finally:
+        stop_local_superlink("39393")
+        cluster.shutdown()
+    assert local_superlink_pids("39393") == []
+    sim_dir = tmp_path / "sim" / "fedcdr"
+    fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
+                         num_clients=2, quiet=True)
+    test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
+    assert_same_rows(rows(sim_dir), rows(fast_dir), test_size)
 
 
 def run_log(env: dict, output: str, wanted: str, timeout: float = 60) -> str:
