@@ -284,6 +284,11 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
             and (cfg.checkpoint_every or cfg.resume)):
         client_store = shared_disk = SharedDiskClientStore(state_run_dir(cfg.state_dir, grid.run.run_id))
+    if client_store is not None and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
+        raise config_error("logical-clients", cfg.logical_clients,
+                           "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "
+                           "them with one client each); the fast runner batches cohorts itself: use "
+                           "logical-clients=0 with cohort-batching, or checkpoint under flwr run")
     if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     resume = load_resume(cfg, run_config, client_store) if cfg.resume else None

@@ -126,6 +126,16 @@ def test_a_cohort_node_trains_its_slice_as_one_batch(tmp_path, monkeypatch):
     assert [r["accg"] for r in rows] == pytest.approx([r["accg"] for r in ref_rows], abs=0.02)
 
 
+def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):
+    """A resumed fast run would rebuild its nodes with one client each (the
+    checkpoint knows the clients, not the nodes): refused in one line."""
+    from fedaccel.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"logical-clients=12: the fast runner does not checkpoint cohort nodes"):
+        _run(tmp_path, "ckpt", 3, **{"logical-clients": 12, "checkpoint-every": 1})
+    assert not (tmp_path / "ckpt" / "checkpoints").exists()
+
+
 # --------------------------------------------------------------------------- #
 # faults: the two-sided state invariants
 # --------------------------------------------------------------------------- #
