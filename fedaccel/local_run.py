@@ -200,6 +200,7 @@ def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer
     when the first round trains, unless ``quiet`` (a run that stops before,
     e.g. on an unwritable results-dir, prints only its one error line);
     ``cohort-batching='on'`` with a reason against is a :class:`ConfigError`."""
+    from fedaccel.clients.cohort import unbatchable_error
     from fedaccel.errors import USER_ERRORS
 
     try:
@@ -207,8 +208,7 @@ def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer
     except USER_ERRORS:
         reason = None  # bad data or node config: the first round reports it, batched or not
     if reason and cfg.cohort_batching == "on":
-        raise ConfigError(f"cohort-batching='on' but this run cannot be batched: {reason}; "
-                          "use cohort-batching='auto' to train its clients one after another")
+        raise unbatchable_error(reason)
     note = (f"fedaccel: clients train one after another ({reason})" if reason else
             "fedaccel: each round's clients train as one batched model (cohort-batching)")
     train = (lambda items: [grid.deliver(message) for message, _ in items]) if reason else trainer

@@ -126,6 +126,29 @@ def test_a_cohort_node_trains_its_slice_as_one_batch(tmp_path, monkeypatch):
     assert [r["accg"] for r in rows] == pytest.approx([r["accg"] for r in ref_rows], abs=0.02)
 
 
+def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):
+    """``cohort-batching='on'`` under flwr run, with a run the trainer cannot
+    batch (FedPM refreshing its FOOF factors mid-round): the node answers its
+    envelope with the fast runner's line (so every client's reply says it)."""
+    from flwr.app import Context
+
+    from fedaccel.apps.client_app import train_logical_clients
+
+    config = fuse(default_run_config(), {"algo": "fedpm", "fedpm.refresh-every": 2, "logical-clients": 4,
+                                         "cohort-batching": "on", "synthetic.max-samples": 80})
+    context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2},
+                      state=RecordDict(), run_config=config)
+    messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
+                for p in (0, 2)]
+    envelope = Message(pack_envelope(messages, 4), 5, "train.cohort")
+    envelope.metadata.__dict__["_message_id"] = "env"
+    reply = train_logical_clients(envelope, context)
+    assert reply.has_error()
+    assert ("node 5 (partition 0): cohort-batching='on' but this run cannot be batched: fedpm.refresh-every=2"
+            in reply.error.reason)
+    assert len(context.state) == 0  # nothing trained, nothing kept
+
+
 def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):
     """A resumed fast run would rebuild its nodes with one client each (the
     checkpoint knows the clients, not the nodes): refused in one line."""

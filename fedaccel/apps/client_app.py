@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from functools import lru_cache
 from logging import DEBUG, INFO
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -32,7 +32,8 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
-from fedaccel.clients.cohort import CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason
+from fedaccel.clients.cohort import (CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason,
+                                     unbatchable_error)
 from fedaccel.memory import available_bytes
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
@@ -338,48 +339,51 @@ def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Conte
 _COHORT_NODE_SAID: set[str] = set()  # what this process said about batching (once each)
 
 
-def _serve_logical_clients(msg: Message, context: Context, handle, batch=None) -> Message:
-    """Handle every client of an envelope (``handle(message, context)`` each,
-    or ``batch(items)`` for all at once) and pack their replies into one;
-    each client's state goes back into the node's."""
+def _serve_logical_clients(msg: Message, context: Context,
+                           serve: Callable[[list[tuple[Message, Context]]], list[Message]]) -> Message:
+    """``serve`` every client of an envelope and pack their replies into one;
+    each client's state goes back into the node's. A user error that concerns
+    the whole envelope (a device's own data-path, a run that must be batched
+    and cannot) is the envelope's error reply, hence every client's."""
     try:
         items = logical_clients(msg, context)
+        replies = serve(items)
     except REPLY_ERRORS as err:
         return user_error_reply(msg, context, err)
-    replies = batch(items) if batch is not None else [handle(m, c) for m, c in items]
-    for (message, ctx) in items:
+    for _, ctx in items:
         keep_client_state(context.state, int(ctx.node_config["partition-id"]), ctx.state)
     return Message(pack_replies(replies), reply_to=msg)
 
 
+def _train_slice(items: list[tuple[Message, Context]]) -> list[Message]:
+    """A cohort node's clients of a round: as one batched model when the run
+    allows (:func:`cohort_fallback`, said once per process), else one after
+    another, each exactly as :func:`train` trains it."""
+    if not items:
+        return []
+    try:
+        reason = cohort_fallback(items[0][1])
+    except REPLY_ERRORS:  # the clients cannot start: each one's train() gives its error reply
+        return [train(m, c) for m, c in items]
+    if reason is not None and client_runtime(items[0][1]).cfg.cohort_batching == "on":
+        raise unbatchable_error(reason)
+    if (said := reason or "batched") not in _COHORT_NODE_SAID:
+        _COHORT_NODE_SAID.add(said)
+        log(INFO, "[fedaccel] %s", "this node trains its clients of a round as one batched model"
+            if reason is None else f"this node trains its clients one after another ({reason})")
+    return train_cohort(items) if reason is None else [train(m, c) for m, c in items]
+
+
 @app.train(COHORT_ACTION)
 def train_logical_clients(msg: Message, context: Context) -> Message:
-    """A cohort node's ``train``: its clients of the round, trained as one
-    batched model when the run allows (:func:`cohort_fallback`), else one
-    after another, each exactly as :func:`train` trains it."""
-    def batch(items: list[tuple[Message, Context]]) -> list[Message]:
-        try:
-            reason = cohort_fallback(items[0][1]) if items else None
-        except REPLY_ERRORS:
-            reason = "the client could not start"  # each client's train() gives its error reply
-        if reason is not None and client_runtime(items[0][1]).cfg.cohort_batching == "on":
-            raise config_error("cohort-batching", "on", f"this run cannot be batched: {reason}")
-        said = reason or "batched"
-        if said not in _COHORT_NODE_SAID:
-            _COHORT_NODE_SAID.add(said)
-            log(INFO, "[fedaccel] %s", "this node trains its clients of a round as one batched model"
-                if reason is None else f"this node trains its clients one after another ({reason})")
-        return train_cohort(items) if reason is None else [train(m, c) for m, c in items]
-    try:
-        return _serve_logical_clients(msg, context, train, batch)
-    except REPLY_ERRORS as err:
-        return user_error_reply(msg, context, err)
+    """A cohort node's ``train``: its clients of the round (:func:`_train_slice`)."""
+    return _serve_logical_clients(msg, context, _train_slice)
 
 
 @app.evaluate(COHORT_ACTION)
 def evaluate_logical_clients(msg: Message, context: Context) -> Message:
     """A cohort node's ``evaluate``: each of its clients, as :func:`evaluate`."""
-    return _serve_logical_clients(msg, context, evaluate)
+    return _serve_logical_clients(msg, context, lambda items: [evaluate(m, c) for m, c in items])
 
 
 @app.evaluate()

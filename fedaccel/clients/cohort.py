@@ -65,7 +65,7 @@ from fedaccel.arrays import load_into
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
-from fedaccel.config import RunConfig
+from fedaccel.config import ConfigError, RunConfig
 
 def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
                     augment: bool) -> str | None:
@@ -83,6 +83,13 @@ def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in model.modules()):
         return "the model has dropout, whose per-client random masks are not batched"
     return None
+
+
+def unbatchable_error(reason: str) -> ConfigError:
+    """``cohort-batching='on'`` for a run that cannot be batched (``reason``
+    from :func:`fallback_reason`): the fast runner's and a cohort node's answer."""
+    return ConfigError(f"cohort-batching='on' but this run cannot be batched: {reason}; "
+                       "use cohort-batching='auto' to train its clients one after another")
 
 
 def slower_reason(model: torch.nn.Module) -> str | None:
