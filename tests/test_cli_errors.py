@@ -182,6 +182,7 @@ def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # four fresh interpreters, ~10 s: the same checks run in-process in the quick tier
 @pytest.mark.parametrize("case", ["yaml", "dangling", "results-file", "memory"])
 def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
     """The installed ``fedaccel-run``, stderr to a pipe, one mistake of each
