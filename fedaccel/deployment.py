@@ -96,13 +96,14 @@ class LocalDeployment:
         self.flwr("supernode", "register", str(self.key(index)) + ".pub", "deployment")
 
     def start_supernode(self, index: int, num_partitions: int, key: Path | None = None,
-                        root_certificates: Path | None = None) -> subprocess.Popen:
-        """A SuperNode holding partition ``index`` of ``num_partitions``."""
+                        root_certificates: Path | None = None, node_config: str = "") -> subprocess.Popen:
+        """A SuperNode holding partition ``index`` of ``num_partitions``;
+        ``node_config``: more of its node config (``data-path='...'``)."""
         proc = self._spawn([
             _bin("flower-supernode"), "--superlink", self.address,
             "--root-certificates", str(root_certificates or self.certs / "ca.crt"),
             "--auth-supernode-private-key", str(key or self.key(index)),
-            "--node-config", f"partition-id={index} num-partitions={num_partitions}",
+            "--node-config", f"partition-id={index} num-partitions={num_partitions} {node_config}".strip(),
             "--port", str(self.clientapp_port + index),
         ], f"supernode-{index}.log")
         self.supernodes[index] = proc

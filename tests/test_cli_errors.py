@@ -92,6 +92,19 @@ def test_read_only_results_dir_is_exit_3(tmp_path, capsys):  # pragma: no cover 
     assert code == 3 and "Permission denied" in one_error_line(err)
 
 
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux's sysfs")
+def test_a_results_dir_no_process_may_create_is_exit_3(capsys):
+    """What the read-only test above checks for a user, checked as root too
+    (CI runs as root, which writes into read-only folders): sysfs refuses a
+    new folder to every process."""
+    target = Path("/sys/fedaccel-results")
+    code, _, err = run_cli(capsys, f"results-dir='{target}'", *SMALL)
+    line = one_error_line(err)
+    assert code == 3 and f"results-dir='{target}': cannot write the run folder" in line
+    assert "set results-dir to a writable folder" in line
+    assert not target.exists()
+
+
 def test_other_algorithms_defaults_are_not_refused():
     """The run config always holds every algorithm's keys; at their defaults they are fine."""
     cfg = fuse(default_run_config(), {"algo": "fedavg", "fedprox.mu": default_run_config()["fedprox.mu"]})

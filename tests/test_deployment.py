@@ -132,6 +132,32 @@ def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
             deployment._kill(deployment.supernodes.pop(index))
 
 
+@pytest.mark.engine_matrix  # its own SuperLink and two SuperNodes: ~1 min
+def test_a_device_with_a_corrupted_data_file_is_reported_and_the_run_goes_on(tmp_path):
+    """A real SuperNode whose own data file (``data-path``) is damaged: its
+    client replies with an error naming the node and the cause, the server
+    logs it once, counts it in every round's failures and goes on with the
+    other SuperNode."""
+    bad = tmp_path / "device.npz"
+    bad.write_bytes(b"PK\x03\x04 this is not a whole .npz file")
+    dep = LocalDeployment(tmp_path / "deploy", port=9491, clientapp_port=9494)
+    try:
+        dep.start_superlink()
+        for i in range(2):
+            dep.register(i)
+        dep.start_supernode(0, 2)
+        dep.start_supernode(1, 2, node_config=f"data-path='{bad}'")
+        proc = dep.run(two_rounds("fedavg"))
+    finally:
+        dep.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    assert f"(partition 1): data-path='{bad}' is corrupted" in out, out[-3000:]
+    assert "Traceback" not in out
+    metrics = rows(dep.results / "fedavg")
+    assert [(r["clients"], r["failures"]) for r in metrics] == [(1, 1), (1, 1)]  # aggregated, failed
+
+
 @pytest.mark.engine_matrix  # minutes: Flower notices a dead SuperNode after 35-60 s
 def test_killed_supernode_does_not_hang_the_run(deployment):
     """Round timeout 20 s: after SuperNode 1 dies, rounds go on with the live one."""
