@@ -254,7 +254,11 @@ class CohortNodes(GridView):
                 continue  # lost or late: none of its clients replied
             if answer.has_error():
                 replies.extend(Message(Error(answer.error.code, answer.error.reason), reply_to=m) for m in group)
-            else:
+                continue
+            try:
                 replies.extend(unpack_replies(answer.content, group))
+            except (KeyError, ValueError, TypeError) as err:  # another fedaccel version on that node?
+                reason = f"node {envelope.metadata.dst_node_id}: a malformed cohort reply ({err})"
+                replies.extend(Message(Error(0, reason), reply_to=m) for m in group)
         return replies
 

@@ -74,6 +74,26 @@ def test_a_reply_envelope_gives_each_client_its_reply_or_its_error():
         unpack_replies(pack_replies(replies), sent[:2])
 
 
+def test_a_malformed_reply_envelope_is_each_of_its_clients_error(tmp_path):
+    """A node whose reply envelope cannot be unpacked (another fedaccel
+    version, say) fails its clients of the round with one line; the run goes on."""
+    class Garbled(LocalGrid):
+        def deliver(self, message):
+            if message.metadata.message_type == "train.cohort":  # a reply without the index
+                return Message(RecordDict({"0/metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+            return super().deliver(message)
+
+    run_config = fuse(default_run_config(), {"num-server-rounds": 1, "clients-per-round": 6, "local-epochs": 1,
+                                             "synthetic.max-samples": 60, "logical-clients": 6,
+                                             "results-dir": str(tmp_path), "run-name": "garbled"})
+    view = CohortNodes(PromptGrid(Garbled(client_app, run_config, num_clients=2, seed=0)), 6, query_timeout=5.0)
+    messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), node, "train")
+                for node in view.get_node_ids()]
+    replies = list(view.send_and_receive(messages, timeout=5.0))
+    assert len(replies) == 6 and all(r.has_error() for r in replies)
+    assert all("a malformed cohort reply ('cohort-replies')" in r.error.reason for r in replies)
+
+
 def test_each_logical_clients_state_lives_under_its_own_keys_in_its_nodes_state():
     node_state = RecordDict({"client-3/old": ConfigRecord({"v": 1}), "client-30/x": ConfigRecord({"v": 2})})
     assert list(client_state(node_state, 3).keys()) == ["old"]
