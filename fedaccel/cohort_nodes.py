@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.app.metadata import Metadata
@@ -180,32 +180,57 @@ class CohortNodes(GridView):
         self._node_of_slot: dict[int, int] = {}
         self._num_nodes: int | None = None  # W, as the nodes report it
         self._ignored: set[int] = set()
+        self._started = False  # a training round was sent: discovery is over
 
     @property
     def num_nodes(self) -> int | None:
         return self._num_nodes
 
     def _follow_nodes(self) -> list[int]:
-        """Ask nodes not seen before which slot they serve; returns the online node ids."""
+        """Ask nodes not seen before which slot they serve; returns the online node ids.
+
+        Before the first round a wrong answer stops the run (two nodes with one
+        partition-id, differing num-partitions). Later a node that appears is a
+        SuperNode restarted under a new node id (no SuperNode authentication):
+        it takes its slot over once the slot's old node is offline, as
+        :class:`fedaccel.membership.NodeMembership` does for one client per
+        node; a node that cannot say which slot it serves is not used."""
         online = list(self._grid.get_node_ids())
         new = [n for n in online if n not in self._slot and n not in self._ignored]
         if new:
             for node, answer in query_partitions(self._grid, new, self.query_timeout).items():
+                problem = None
                 if isinstance(answer, str):
-                    raise FederationError(f"node {node} could not report which clients it serves: {answer}")
+                    problem = f"node {node} could not report which clients it serves: {answer}"
+                elif self._num_nodes is not None and answer[1] != self._num_nodes:
+                    problem = (f"nodes disagree on num-partitions ({answer[1]} vs {self._num_nodes}); "
+                               "give every node the same num-partitions")
+                elif self._node_of_slot.get(answer[0]) in online:
+                    problem = f"two nodes claim partition-id={answer[0]}; each needs its own"
+                if problem is not None and not self._started:
+                    raise FederationError(problem)
+                if problem is not None and "two nodes claim" not in problem:
+                    log(WARNING, "[fedaccel] %s; it is not used", problem)
+                    self._ignored.add(node)
+                    continue
                 slot, num_nodes = answer
                 if self._num_nodes is None:
                     self._num_nodes = num_nodes
                     log(INFO, "[fedaccel] %s logical clients on %s cohort nodes (node k serves the clients "
                         "p with p %% %s == k; logical-clients)", self.num_clients, num_nodes, num_nodes)
-                elif num_nodes != self._num_nodes:
-                    raise FederationError(f"nodes disagree on num-partitions ({num_nodes} vs {self._num_nodes}); "
-                                          "give every node the same num-partitions")
-                old = self._node_of_slot.get(slot)
-                if old is not None and old in online:
-                    raise FederationError(f"two nodes claim partition-id={slot}; each needs its own")
                 self._slot[node] = slot
-                self._node_of_slot[slot] = node  # a restarted node takes its slot over
+                if problem is None:
+                    self._node_of_slot[slot] = node
+                else:
+                    log(INFO, "[fedaccel] node %s joined during the run with partition-id=%s; it serves that "
+                        "slot's clients once node %s is offline", node, slot, self._node_of_slot[slot])
+        online_set = set(online)
+        for node, slot in self._slot.items():  # restarted nodes take their slot over
+            current = self._node_of_slot.get(slot)
+            if node != current and node in online_set and current not in online_set:
+                self._node_of_slot[slot] = node
+                log(INFO, "[fedaccel] cohort node slot %s is now served by node %s (node %s went offline)",
+                    slot, node, current)
         return online
 
     def get_node_ids(self) -> Iterable[int]:
@@ -224,6 +249,7 @@ class CohortNodes(GridView):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
         self._follow_nodes()
+        self._started = self._started or any(m.metadata.message_type == MessageType.TRAIN for m in messages)
         replies: list[Message] = []
         groups: dict[tuple[int, str], list[Message]] = {}
         for message in messages:

@@ -94,6 +94,48 @@ def test_a_malformed_reply_envelope_is_each_of_its_clients_error(tmp_path):
     assert all("a malformed cohort reply ('cohort-replies')" in r.error.reason for r in replies)
 
 
+def test_a_restarted_node_takes_its_slot_over_once_the_old_one_is_offline(tmp_path):
+    """A SuperNode restarted without SuperNode authentication comes back
+    under a new node id while the old one still counts as online: its slot's
+    clients move to it once the old node is offline. Before the first round,
+    two nodes with one partition-id are refused."""
+    from flwr.app import Context
+
+    from fedaccel.errors import FederationError
+
+    class Recording(LocalGrid):
+        def deliver(self, message):
+            self.delivered.append(message.metadata.dst_node_id)
+            return super().deliver(message)
+
+    run_config = fuse(default_run_config(), {"logical-clients": 6, "results-dir": str(tmp_path)})
+    grid = Recording(client_app, run_config, num_clients=2, seed=0)
+    grid.delivered = []
+    old = next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 1)
+    restarted = Context(run_id=grid.run.run_id, node_id=999, node_config=dict(grid.contexts[old].node_config),
+                        state=RecordDict(), run_config=dict(run_config))
+
+    def train_slot_1():
+        grid.delivered.clear()
+        message = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(1), "train")
+        assert len(list(view.send_and_receive([message], timeout=5.0))) == 1
+        return [n for n in grid.delivered if n in (old, 999)]
+
+    early = CohortNodes(PromptGrid(grid), 6, query_timeout=5.0)
+    grid.contexts[999] = restarted
+    with pytest.raises(FederationError, match="two nodes claim partition-id=1"):
+        early.get_node_ids()
+    del grid.contexts[999]
+
+    view = CohortNodes(PromptGrid(grid), 6, query_timeout=5.0)
+    assert len(list(view.get_node_ids())) == 6
+    assert train_slot_1() == [old]
+    grid.contexts[999] = restarted  # back under a new id; the old session still counts as online
+    assert len(list(view.get_node_ids())) == 6 and train_slot_1() == [old]
+    del grid.contexts[old]  # the old session is declared offline
+    assert len(list(view.get_node_ids())) == 6 and train_slot_1() == [999]
+
+
 def test_each_logical_clients_state_lives_under_its_own_keys_in_its_nodes_state():
     node_state = RecordDict({"client-3/old": ConfigRecord({"v": 1}), "client-30/x": ConfigRecord({"v": 2})})
     assert list(client_state(node_state, 3).keys()) == ["old"]
