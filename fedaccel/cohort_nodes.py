@@ -104,9 +104,10 @@ def logical_messages(envelope: Message) -> list[tuple[int, int, Message]]:
     return out
 
 
-def pack_replies(replies: list[Message]) -> RecordDict:
+def pack_replies(replies: list[Message], note: str = "") -> RecordDict:
     """The node's one reply: each client's reply records under ``<i>/<name>``,
-    or its error (code and reason) in the index."""
+    or its error (code and reason) in the index; ``note``: a line for the
+    server's log (how the node trained its slice)."""
     content, names, errors, codes, reasons = RecordDict(), [], [], [], []
     for i, reply in enumerate(replies):
         if reply.has_error():
@@ -118,7 +119,7 @@ def pack_replies(replies: list[Message]) -> RecordDict:
             names.append(f"{i}/{name}")
             content[f"{i}/{name}"] = record
     content[REPLY_INDEX] = ConfigRecord({"count": len(replies), "names": names, "errors": errors,
-                                         "codes": codes, "reasons": reasons})
+                                         "codes": codes, "reasons": reasons, "note": note})
     return content
 
 
@@ -180,11 +181,17 @@ class CohortNodes(GridView):
         self._node_of_slot: dict[int, int] = {}
         self._num_nodes: int | None = None  # W, as the nodes report it
         self._ignored: set[int] = set()
-        self._started = False  # a training round was sent: discovery is over
+        self._started = False  # discovery is over (close_discovery, or a training round was sent)
+        self._notes: set[str] = set()  # what the nodes said about how they train (logged once each)
 
     @property
     def num_nodes(self) -> int | None:
         return self._num_nodes
+
+    def close_discovery(self) -> None:
+        """The run's nodes are known: a node that appears from now on is a
+        restarted SuperNode (followed), not a configuration error (refused)."""
+        self._started = True
 
     def _follow_nodes(self) -> list[int]:
         """Ask nodes not seen before which slot they serve; returns the online node ids.
@@ -198,7 +205,10 @@ class CohortNodes(GridView):
         online = list(self._grid.get_node_ids())
         new = [n for n in online if n not in self._slot and n not in self._ignored]
         if new:
-            for node, answer in query_partitions(self._grid, new, self.query_timeout).items():
+            answers = query_partitions(self._grid, new, self.query_timeout)
+            if self._started:  # asked once: a node that does not answer is not asked again every round
+                answers.update({n: f"no answer within {self.query_timeout:g} s" for n in new if n not in answers})
+            for node, answer in answers.items():
                 problem = None
                 if isinstance(answer, str):
                     problem = f"node {node} could not report which clients it serves: {answer}"
@@ -218,6 +228,10 @@ class CohortNodes(GridView):
                     self._num_nodes = num_nodes
                     log(INFO, "[fedaccel] %s logical clients on %s cohort nodes (node k serves the clients "
                         "p with p %% %s == k; logical-clients)", self.num_clients, num_nodes, num_nodes)
+                    if num_nodes > self.num_clients:
+                        log(WARNING, "[fedaccel] %s cohort nodes for %s logical clients: the nodes with "
+                            "partition-id >= %s serve no client; use at most %s nodes", num_nodes,
+                            self.num_clients, self.num_clients, self.num_clients)
                 self._slot[node] = slot
                 if problem is None:
                     self._node_of_slot[slot] = node
@@ -272,10 +286,13 @@ class CohortNodes(GridView):
                               group))
         if not envelopes:
             return replies
-        answers = {(r.metadata.src_node_id, r.metadata.message_type): r
+
+        # matched by message id: the SuperLink's own error replies (node unavailable, reply
+        # expired) come from node 1, not from the node the envelope went to
+        answers = {r.metadata.reply_to_message_id: r
                    for r in self._grid.send_and_receive([e for e, _ in envelopes], timeout=timeout)}
         for envelope, group in envelopes:
-            answer = answers.get((envelope.metadata.dst_node_id, envelope.metadata.message_type))
+            answer = answers.get(envelope.metadata.message_id)
             if answer is None:
                 continue  # lost or late: none of its clients replied
             if answer.has_error():
@@ -283,8 +300,16 @@ class CohortNodes(GridView):
                 continue
             try:
                 replies.extend(unpack_replies(answer.content, group))
+                self._log_note(answer.content)
             except (KeyError, ValueError, TypeError) as err:  # another fedaccel version on that node?
                 reason = f"node {envelope.metadata.dst_node_id}: a malformed cohort reply ({err})"
                 replies.extend(Message(Error(0, reason), reply_to=m) for m in group)
         return replies
 
+    def _log_note(self, content: RecordDict) -> None:
+        """What a node says about how it trains its slice (batched, or why
+        not), in the server's log once per distinct line."""
+        note = str(content[REPLY_INDEX].get("note", ""))
+        if note and note not in self._notes:
+            self._notes.add(note)
+            log(INFO, "[fedaccel] cohort nodes: %s", note)

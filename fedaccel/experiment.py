@@ -280,15 +280,15 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
                            "engines train one client per node: use 'auto' or 'off'")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
-    shared_disk = None
-    if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
-            and (cfg.checkpoint_every or cfg.resume)):
-        client_store = shared_disk = SharedDiskClientStore(state_run_dir(cfg.state_dir, grid.run.run_id))
-    if client_store is not None and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
+    if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
         raise config_error("logical-clients", cfg.logical_clients,
                            "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "
                            "them with one client each); the fast runner batches cohorts itself: use "
                            "logical-clients=0 with cohort-batching, or checkpoint under flwr run")
+    shared_disk = None
+    if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
+            and (cfg.checkpoint_every or cfg.resume)):
+        client_store = shared_disk = SharedDiskClientStore(state_run_dir(cfg.state_dir, grid.run.run_id))
     if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     resume = load_resume(cfg, run_config, client_store) if cfg.resume else None
@@ -296,8 +296,10 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     run_dir = writable_run_dir(cfg, run_dir_of(resume.path) if resume is not None else None)
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
-        grid = CohortNodes(grid, cfg.logical_clients, query_timeout=cfg.round_timeout)
+        grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0))
     federation = discover_federation(grid, timeout=cfg.round_timeout)
+    if isinstance(grid, CohortNodes):
+        grid.close_discovery()  # from now on a node that appears is a restarted SuperNode
     cfg.cohort_size(federation.num_clients)  # fail before any work if too many
     if resume is not None and resume.num_clients != federation.num_clients:
         raise CheckpointError(f"resume={cfg.resume!r}: the checkpoint is of a run with {resume.num_clients} "

@@ -136,6 +136,38 @@ def test_a_restarted_node_takes_its_slot_over_once_the_old_one_is_offline(tmp_pa
     assert len(list(view.get_node_ids())) == 6 and train_slot_1() == [999]
 
 
+def test_a_node_that_joins_and_never_answers_is_asked_once(tmp_path):
+    """After discovery, a node that cannot say which clients it serves is
+    logged and left out; it is not asked again (each ask waits the query
+    timeout, every round)."""
+    from flwr.app import Context
+
+    class Silent(LocalGrid):
+        queries = 0
+
+        def deliver(self, message):
+            reply = super().deliver(message)
+            if message.metadata.dst_node_id == 777:
+                Silent.queries += 1
+                reply.metadata.__dict__["_lost"] = True
+            return reply
+
+        def pull_messages(self, message_ids):
+            return [r for r in super().pull_messages(message_ids) if not r.metadata.__dict__.get("_lost")]
+
+    run_config = fuse(default_run_config(), {"logical-clients": 4, "results-dir": str(tmp_path)})
+    grid = Silent(client_app, run_config, num_clients=2, seed=0)
+    view = CohortNodes(PromptGrid(grid), 4, query_timeout=0.2)
+    assert len(list(view.get_node_ids())) == 4
+    view.close_discovery()
+    grid.contexts[777] = Context(run_id=grid.run.run_id, node_id=777,
+                                 node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                                 run_config=dict(run_config))
+    for _ in range(3):
+        assert len(list(view.get_node_ids())) == 4
+    assert Silent.queries == 1
+
+
 def test_each_logical_clients_state_lives_under_its_own_keys_in_its_nodes_state():
     node_state = RecordDict({"client-3/old": ConfigRecord({"v": 1}), "client-30/x": ConfigRecord({"v": 2})})
     assert list(client_state(node_state, 3).keys()) == ["old"]
@@ -198,8 +230,9 @@ def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):
 
     config = fuse(default_run_config(), {"algo": "fedpm", "fedpm.refresh-every": 2, "logical-clients": 4,
                                          "cohort-batching": "on", "synthetic.max-samples": 80})
+    kept = ConfigRecord({"v": 1})
     context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2},
-                      state=RecordDict(), run_config=config)
+                      state=RecordDict({"client-0/earlier": kept}), run_config=config)
     messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
                 for p in (0, 2)]
     envelope = Message(pack_envelope(messages, 4), 5, "train.cohort")
@@ -208,7 +241,36 @@ def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):
     assert reply.has_error()
     assert ("node 5 (partition 0): cohort-batching='on' but this run cannot be batched: fedpm.refresh-every=2"
             in reply.error.reason)
-    assert len(context.state) == 0  # nothing trained, nothing kept
+    assert list(context.state.keys()) == ["client-0/earlier"] and context.state["client-0/earlier"] is kept
+
+
+def test_one_clients_bug_fails_that_client_alone(monkeypatch):
+    """An exception that is not a user error in one client of a slice (trained
+    one after another) is that client's error reply, as on a node of its own;
+    the node's other clients reply as usual."""
+    from flwr.app import Context
+
+    import fedaccel.apps.client_app as ca
+
+    def train(message, context):
+        if context.node_config["partition-id"] == 2:
+            raise RuntimeError("boom")
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
+
+    monkeypatch.setattr(ca, "train", train)
+    config = fuse(default_run_config(), {"logical-clients": 4, "synthetic.max-samples": 80})
+    context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2},
+                      state=RecordDict(), run_config=config)
+    messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
+                for p in (0, 2)]
+    for i, m in enumerate(messages):
+        m.metadata.__dict__["_message_id"] = f"m{i}"
+    envelope = Message(pack_envelope(messages, 4), 5, "train.cohort")
+    envelope.metadata.__dict__["_message_id"] = "env"
+    reply = ca.train_logical_clients(envelope, context)
+    ok, failed = unpack_replies(reply.content, messages)
+    assert not ok.has_error() and failed.has_error() and failed.error.reason == "RuntimeError: boom"
+    assert reply.content["cohort-replies"]["note"].startswith("each node trains its clients one after another")
 
 
 def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):

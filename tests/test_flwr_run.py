@@ -129,6 +129,7 @@ def test_cohort_nodes_in_flowers_simulation_match_the_fast_runner(flwr_env, tmp_
     proc = flwr_run(flwr_env, config, nodes=3)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    assert "cohort nodes: each node trains its clients of a round as one batched model" in out, out[-3000:]
     sim_dir = tmp_path / "sim" / "scaffold"
     fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
                          num_clients=3, quiet=True)

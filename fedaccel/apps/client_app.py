@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 from functools import lru_cache
-from logging import DEBUG, INFO
+from logging import DEBUG, ERROR, INFO
 from typing import Any, Callable
 
 import torch
@@ -336,42 +336,55 @@ def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Conte
     return items
 
 
-_COHORT_NODE_SAID: set[str] = set()  # what this process said about batching (once each)
-
-
 def _serve_logical_clients(msg: Message, context: Context,
-                           serve: Callable[[list[tuple[Message, Context]]], list[Message]]) -> Message:
-    """``serve`` every client of an envelope and pack their replies into one;
+                           serve: Callable[[list[tuple[Message, Context]]], tuple[list[Message], str]]) -> Message:
+    """``serve`` every client of an envelope (``serve(items)`` gives their
+    replies and a line for the server's log) and pack the replies into one;
     each client's state goes back into the node's. A user error that concerns
     the whole envelope (a device's own data-path, a run that must be batched
     and cannot) is the envelope's error reply, hence every client's."""
     try:
         items = logical_clients(msg, context)
-        replies = serve(items)
+        replies, note = serve(items)
     except REPLY_ERRORS as err:
         return user_error_reply(msg, context, err)
     for _, ctx in items:
         keep_client_state(context.state, int(ctx.node_config["partition-id"]), ctx.state)
-    return Message(pack_replies(replies), reply_to=msg)
+    return Message(pack_replies(replies, note), reply_to=msg)
 
 
-def _train_slice(items: list[tuple[Message, Context]]) -> list[Message]:
+def _each_client(handler: Callable[[Message, Context], Message],
+                 items: list[tuple[Message, Context]]) -> list[Message]:
+    """``handler`` for each client of a slice. An exception that is not a user
+    error (a bug) fails that client alone, with the error reply Flower gives
+    for a ClientApp exception, as it would on a node of its own; its
+    traceback goes to this node's log."""
+    replies = []
+    for message, ctx in items:
+        try:
+            replies.append(handler(message, ctx))
+        except Exception as err:  # noqa: BLE001 - one client's bug is its own error reply
+            log(ERROR, "[fedaccel] %s raised", node_label(ctx), exc_info=True)
+            replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"),
+                                   reply_to=message))
+    return replies
+
+
+def _train_slice(items: list[tuple[Message, Context]]) -> tuple[list[Message], str]:
     """A cohort node's clients of a round: as one batched model when the run
-    allows (:func:`cohort_fallback`, said once per process), else one after
-    another, each exactly as :func:`train` trains it."""
+    allows (:func:`cohort_fallback`), else one after another, each exactly as
+    :func:`train` trains it; and a line saying which, for the server's log."""
     if not items:
-        return []
+        return [], ""
     try:
         reason = cohort_fallback(items[0][1])
     except REPLY_ERRORS:  # the clients cannot start: each one's train() gives its error reply
-        return [train(m, c) for m, c in items]
+        return _each_client(train, items), ""
     if reason is not None and client_runtime(items[0][1]).cfg.cohort_batching == "on":
         raise unbatchable_error(reason)
-    if (said := reason or "batched") not in _COHORT_NODE_SAID:
-        _COHORT_NODE_SAID.add(said)
-        log(INFO, "[fedaccel] %s", "this node trains its clients of a round as one batched model"
-            if reason is None else f"this node trains its clients one after another ({reason})")
-    return train_cohort(items) if reason is None else [train(m, c) for m, c in items]
+    if reason is None:
+        return train_cohort(items), "each node trains its clients of a round as one batched model"
+    return _each_client(train, items), f"each node trains its clients one after another ({reason})"
 
 
 @app.train(COHORT_ACTION)
@@ -383,7 +396,7 @@ def train_logical_clients(msg: Message, context: Context) -> Message:
 @app.evaluate(COHORT_ACTION)
 def evaluate_logical_clients(msg: Message, context: Context) -> Message:
     """A cohort node's ``evaluate``: each of its clients, as :func:`evaluate`."""
-    return _serve_logical_clients(msg, context, lambda items: [evaluate(m, c) for m, c in items])
+    return _serve_logical_clients(msg, context, lambda items: (_each_client(evaluate, items), ""))
 
 
 @app.evaluate()
