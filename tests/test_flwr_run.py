@@ -142,8 +142,14 @@ def test_cohort_nodes_in_flowers_simulation_match_the_fast_runner(flwr_env, tmp_
 def test_cohort_nodes_on_a_multi_node_ray_cluster(tmp_path):
     """The ``ray-cluster`` profile on a two-node Ray cluster
     (``ray.cluster_utils.Cluster``, as two machines would be; RAY_ADDRESS set
-    before the SuperLink starts, as docs/cohort-batching.md says): two
-    cohort nodes serve 12 clients of FedCDR, equal to the fast runner's."""
+    before the SuperLink starts, as docs/cohort-batching.md says; on one
+    machine Ray would also find the running cluster by itself): two cohort
+    nodes serve 12 clients of FedCDR, equal to the fast runner's; each Ray
+    node (one CPU each) had its CPU taken by Flower's client actors while the
+    run went on (a Ray of Flower's own would leave the cluster idle), so the
+    run used the cluster, one cohort node per Ray node."""
+    import ray
+    from ray._private.state import available_resources_per_node  # Ray's own accounting, per node
     from ray.cluster_utils import Cluster
 
     home = tmp_path / "flwr-home"
@@ -151,6 +157,7 @@ def test_cohort_nodes_on_a_multi_node_ray_cluster(tmp_path):
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": "39391",
            "FLWR_LOCAL_CONTROL_API_PORT": "39393", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_ADDRESS": cluster.address}
+    busy: set[str] = set()  # Ray nodes seen with no CPU left
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
@@ -158,14 +165,25 @@ def test_cohort_nodes_on_a_multi_node_ray_cluster(tmp_path):
             subprocess.run([sys.executable, "-m", "fedaccel.federations", *command], env=env,
                            check=True, capture_output=True)
         config = overrides("fedcdr", tmp_path / "sim", **COHORT_NODES)
-        proc = flwr_run(env, config, nodes=None, federation="ray-cluster")
-        out = proc.stdout + proc.stderr
+        text = " ".join(f"{k}={toml_value(v)}" for k, v in config.items())
+        ray.init(address=cluster.address)
+        proc = subprocess.Popen([flwr_bin(), "run", ".", "ray-cluster", "--run-config", text, "--stream"],
+                                cwd=project_dir(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            busy |= {node for node, free in available_resources_per_node().items() if free.get("CPU", 0) == 0}
+            time.sleep(0.2)
+        out = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0 and "results written to" in out, out[-3000:]
     finally:
+        ray.shutdown()
         stop_local_superlink("39393")
         cluster.shutdown()
     assert local_superlink_pids("39393") == []
+    assert len(busy) == 2, f"Ray nodes whose CPU Flower's actors took: {busy}"
     sim_dir = tmp_path / "sim" / "fedcdr"
+    assert json.loads((sim_dir / "config.json").read_text())["resolved"]["num-clients"] == 12
     fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
                          num_clients=2, quiet=True)
     test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
