@@ -215,11 +215,11 @@ class CohortNodes(GridView):
                 elif self._num_nodes is not None and answer[1] != self._num_nodes:
                     problem = (f"nodes disagree on num-partitions ({answer[1]} vs {self._num_nodes}); "
                                "give every node the same num-partitions")
-                elif self._node_of_slot.get(answer[0]) in online:
-                    problem = f"two nodes claim partition-id={answer[0]}; each needs its own"
-                if problem is not None and not self._started:
-                    raise FederationError(problem)
-                if problem is not None and "two nodes claim" not in problem:
+                # a second node for a slot whose node is online: refused at discovery, later a restart
+                duplicate = problem is None and self._node_of_slot.get(answer[0]) in online
+                if not self._started and (problem or duplicate):
+                    raise FederationError(problem or f"two nodes claim partition-id={answer[0]}; each needs its own")
+                if problem:
                     log(WARNING, "[fedaccel] %s; it is not used", problem)
                     self._ignored.add(node)
                     continue
@@ -233,7 +233,7 @@ class CohortNodes(GridView):
                             "partition-id >= %s serve no client; use at most %s nodes", num_nodes,
                             self.num_clients, self.num_clients, self.num_clients)
                 self._slot[node] = slot
-                if problem is None:
+                if not duplicate:
                     self._node_of_slot[slot] = node
                 else:
                     log(INFO, "[fedaccel] node %s joined during the run with partition-id=%s; it serves that "
