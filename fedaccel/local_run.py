@@ -160,14 +160,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
 
-    from fedaccel.memory import require_memory
-    from fedaccel.run_config import parse_run_config
-    from fedaccel.trackers import require_tracker
-
     # before building anything, and before Flower's logging is changed (nothing to restore)
-    cfg = parse_run_config(run_config)
-    require_memory(cfg, cfg.logical_clients or num_clients)  # logical clients: the nodes serve that many
-    require_tracker(cfg.tracker, cfg.tracker_uri)
+    cfg, _ = preflight(run_config, num_clients)
     previous_level = FLOWER_LOGGER.level
     if not verbose:
         FLOWER_LOGGER.setLevel(logging.WARNING)
@@ -243,17 +237,25 @@ def resume_config(where: str, overrides: dict[str, Any], num_clients: int | None
     return fuse(default_run_config(), run_config), manifest["num-clients"]
 
 
-def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
-    """``--check``: what a run refuses before any work, without the run."""
+def preflight(run_config: dict[str, Any], num_clients: int) -> tuple[RunConfig, int]:
+    """What a run refuses before any work (the config, the cohort size, the
+    memory, the tracker): the typed config and the number of clients
+    (``logical-clients`` when the nodes serve that many, else ``num_clients``)."""
     from fedaccel.memory import require_memory
     from fedaccel.run_config import parse_run_config
     from fedaccel.trackers import require_tracker
 
     cfg = parse_run_config(run_config)
-    clients = cfg.logical_clients or num_clients  # cohort nodes serve that many clients
+    clients = cfg.logical_clients or num_clients
     cfg.cohort_size(clients)
     require_memory(cfg, clients)
     require_tracker(cfg.tracker, cfg.tracker_uri)
+    return cfg, clients
+
+
+def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
+    """``--check``: what a run refuses before any work, without the run."""
+    _, clients = preflight(run_config, num_clients)
     defaults = default_run_config()
     changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
                        for k, v in run_config.items() if defaults.get(k) != v)  # as flwr run's --run-config

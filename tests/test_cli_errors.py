@@ -46,6 +46,8 @@ def one_error_line(err: str) -> str:
     (["clients-per-round=0"], 2, "an integer is a count of clients and must be >= 1"),
     (["cohort-batching='sometimes'"], 2, "cohort-batching='sometimes': allowed: auto, on, off"),
     (["cohort-chunk=-1"], 2, "cohort-chunk=-1: must be an integer >= 0"),
+    (["logical-clients=-4"], 2, "logical-clients=-4: must be an integer >= 0"),
+    (["logical-clients=1.5"], 2, "logical-clients=1.5: must be an integer >= 0"),
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
