@@ -234,6 +234,21 @@ def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, tmp_p
     assert not (tmp_path / "fedprx").exists()
 
 
+@pytest.mark.engine_matrix  # Flower starts 400 simulated SuperNodes: about a minute
+def test_a_simulation_too_large_for_the_machine_says_what_to_change(flwr_env, tmp_path):
+    """More simulated SuperNodes than answer within round-timeout: the run is
+    finished:failed, and its one line says to set fewer SuperNodes in
+    simulation (not only "start the missing SuperNodes")."""
+    proc = flwr_run(flwr_env, {"round-timeout": 5.0, "results-dir": str(tmp_path)}, nodes=400, timeout=400)
+    out = proc.stdout + proc.stderr
+    log = run_log(flwr_env, out, "fedaccel-federations size local-simulation", timeout=180)
+    assert re.search(r"Simulation stopped: \[fedaccel\] .*(did not say which partition|registered within)", log), \
+        log[-3000:]
+    assert "fedaccel-federations size local-simulation N" in log and "Traceback" not in log
+    run_id = re.search(r"run_id `(\d+)`|started run (\d+)", out)
+    assert run_status(flwr_env, run_id.group(1) or run_id.group(2)) == "finished:failed"
+
+
 @pytest.mark.engine_matrix
 def test_flwr_run_resumes_from_a_checkpoint_to_the_same_model(flwr_env, tmp_path):
     """FedCDR (server and client state) in Flower's simulation, clients on
