@@ -275,9 +275,9 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     cfg = parse_run_config(run_config)
     require_tracker(cfg.tracker, cfg.tracker_uri)  # a missing package refused before any work
     if cfg.cohort_batching == "on" and not (cfg.logical_clients or getattr(grid, "trains_cohorts", False)):
-        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run), "
-                           "or on cohort nodes (logical-clients > 0); with one client per node Flower's "
-                           "engines train one client per node: use 'auto' or 'off'")
+        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) "
+                           "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
+                           "node train one client at a time: use 'auto' or 'off', or set logical-clients")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
     if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):

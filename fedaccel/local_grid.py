@@ -16,7 +16,6 @@ every other message goes to the ClientApp one by one.
 from __future__ import annotations
 
 import secrets
-import traceback
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedaccel.checkpoint import (disk_state_files, record_dict_bytes, record_dict_from_bytes,
                                  restore_disk_state_files)
+from fedaccel.client_errors import exception_reply
 from fedaccel.clients.state import state_run_dir
 from fedaccel.torch_utils import derive_seed
 
@@ -181,7 +181,7 @@ class LocalGrid(Grid):
         try:
             replies = self.cohort_trainer(items)
         except Exception as err:  # a client failure is a reply, as in Flower
-            replies = [_exception_reply(m, err) for m in messages]
+            replies = [exception_reply(m, err) for m in messages]
         for message_id, reply in zip(message_ids, replies):
             self._replies[message_id] = reply
 
@@ -193,11 +193,5 @@ class LocalGrid(Grid):
         try:
             reply = self.client_app(message, context)
         except Exception as err:  # a client failure is a reply, as in Flower
-            return _exception_reply(message, err)
+            return exception_reply(message, err)
         return reply
-
-
-def _exception_reply(message: Message, err: BaseException) -> Message:
-    """The error reply Flower's engines give for an exception in the ClientApp."""
-    reason = "".join(traceback.format_exception_only(type(err), err)).strip()
-    return Message(Error(CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)

@@ -37,6 +37,7 @@ from fedaccel.clients.cohort import (CohortJob, chunk_size, fallback_reason, fit
 from fedaccel.memory import available_bytes
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
+from fedaccel.client_errors import exception_reply
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into, records_of
 from fedaccel.contract import ContractError
@@ -365,8 +366,7 @@ def _each_client(handler: Callable[[Message, Context], Message],
             replies.append(handler(message, ctx))
         except Exception as err:  # noqa: BLE001 - one client's bug is its own error reply
             log(ERROR, "[fedaccel] %s raised", node_label(ctx), exc_info=True)
-            replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"),
-                                   reply_to=message))
+            replies.append(exception_reply(message, err))
     return replies
 
 
