@@ -422,10 +422,10 @@ def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:
 from test_configs import ROOT, _bench  # noqa: E402  (a bench script as a module, one helper for both)
 
 
-def _gradient_correction_runs(monkeypatch):
-    """The runs of `python bench/gradient_correction.py` (main(), phase run, default arguments)."""
+def _gradient_correction_runs(monkeypatch, argv=()):
+    """The runs of `python bench/gradient_correction.py [argv]` (main(), phase run)."""
     bench = _bench(monkeypatch, "gradient_correction")
-    args = bench.parse_args([])
+    args = bench.parse_args(list(argv))
     return [bench.make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
             for m in (bench.MAIN + [a for a in bench.ABLATION if a not in bench.MAIN]
                       if alpha in args.ablation_alphas else bench.MAIN)]
@@ -440,7 +440,13 @@ def _fedpm_test2_runs(monkeypatch):
             for m in args.methods]
 
 
+def _gradient_correction_5pct_runs(monkeypatch):
+    """The runs of `python bench/gradient_correction.py --per-round 5 --ablation-alphas`."""
+    return _gradient_correction_runs(monkeypatch, ["--per-round", "5", "--ablation-alphas"])
+
+
 @pytest.mark.parametrize("name,bench_runs", [("fedrkmgc-ablation", _gradient_correction_runs),
+                                             ("fedrkmgc-5pct", _gradient_correction_5pct_runs),
                                              ("fedpm-test2", _fedpm_test2_runs)])
 def test_paper_study_cells_are_the_bench_scripts_runs(monkeypatch, tmp_path, name, bench_runs) -> None:
     """The study's cells are one-to-one the runs of its bench script's default
