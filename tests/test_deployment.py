@@ -101,6 +101,36 @@ def test_matrix_two_rounds_through_real_supernodes(deployment, matrix_runs, algo
     check_two_rounds(deployment, algo, matrix_runs[algo].returncode, out)
 
 
+def test_cohort_nodes_through_real_supernodes(deployment):
+    """SCAFFOLD (state on both sides) with 6 logical clients served by the two
+    real SuperNodes (node k serves the clients p % 2 == k), 4 clients a round,
+    each node training its share of a round as one batch: the envelopes cross
+    TLS and SuperNode authentication, and the rows equal the fast runner's 6
+    clients on 2 cohort nodes; the server reports 6 clients."""
+    config = ("algo='scaffold' num-server-rounds=3 run-name='cohort-nodes' logical-clients=6 "
+              "cohort-batching='auto' client-state='context' local-epochs=1 accl-every=0 "
+              "synthetic.max-samples=120 eval-every=1 clients-per-round=4")
+    proc = deployment.run(config)
+    out = proc.stdout + proc.stderr
+    run_dir = deployment.results / "cohort-nodes"
+    assert proc.returncode == 0 and f"results written to {run_dir}" in out, out[-3000:]
+    assert "cohort nodes: each node trains its clients of a round as one batched model" in out, out[-3000:]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["resolved"]["num-clients"] == 6
+    metrics = rows(run_dir)
+    assert [r["round"] for r in metrics] == [1, 2, 3]
+    assert all(r["clients"] == 4 and r["failures"] == 0 for r in metrics), metrics
+    run_config = {k: v for k, v in config.items() if k != "resolved"}
+    fast = rows(run_local(run_config | {"results-dir": str(deployment.work / "fast-cohort")},
+                          num_clients=2, quiet=True))
+    test_size = config["resolved"]["global-test-size"]
+    assert len(metrics) == len(fast)
+    for d, f in zip(metrics, fast):
+        assert d["bytes_up"] == f["bytes_up"] and d["bytes_down"] == f["bytes_down"]
+        assert abs(d["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
+        assert d["loss"] == pytest.approx(f["loss"], rel=1e-4)
+
+
 def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
     # A key that was never registered.
     deployment.start_supernode(5, 2, key=deployment.key(5))
