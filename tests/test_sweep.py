@@ -519,6 +519,16 @@ def test_an_unknown_federation_is_refused_before_any_cell(tmp_path, capsys, monk
     assert "--federation runs the cells one after another on Flower" in capsys.readouterr().err
 
 
+def test_a_study_that_needs_the_optimum_is_refused_on_a_federation_before_any_cell(tmp_path, capsys) -> None:
+    path = write_study(tmp_path, seeds=[0], base={**TINY, "model": "logreg", "weight-decay": 0.01,
+                                                   "optimality": True})
+    assert main([str(path), "--federation", "local-simulation"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: cell seed=0: init='near-optimum' and optimality=true run in "
+                          "the fast runner only") and "\n" not in err
+    assert not (tmp_path / "out" / "s" / "cells").exists()
+
+
 def test_a_bench_table_takes_its_runs_from_the_study_cells_that_equal_them(tmp_path, monkeypatch) -> None:
     """``bench/gradient_correction.py --phase table --from-study``: each of
     the script's runs is the study cell with every one of its overrides
