@@ -234,7 +234,7 @@ def test_label_sorted_sorts_by_label_keeps_training_rows_in_order_and_refuses_em
         load_federated(DataConfig(dataset="breast-cancer", num_clients=40, partition="label-sorted"))
     msg = str(info.value)
     assert "\n" not in msg and "partition='label-sorted'" in msg and "of the 40 clients" in msg
-    fits = int(msg.split("use at most ")[1].split()[0])
+    fits = int(msg.split("the most clients that fit is ")[1].split()[0])
     load_federated(DataConfig(dataset="breast-cancer", num_clients=fits, partition="label-sorted"))
 
 

@@ -111,8 +111,9 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str,
             raise DataError(
                 f"partition='label-sorted' leaves {sum(s < 1 for s in sizes)} of the {k} clients of "
                 f"{dataset_name!r} without samples (every drawn shard but the last takes at least "
-                f"{LABEL_SORTED_MIN_SIZE} of the {n} samples); use at most {fits} clients with this "
-                "seed and dirichlet-alpha")
+                f"{LABEL_SORTED_MIN_SIZE} of the {n} samples); with this seed and dirichlet-alpha the most "
+                f"clients that fit is {fits} (the sizes are drawn anew for each number of clients, so not "
+                "every smaller number fits), or a larger dirichlet-alpha draws more even sizes")
         part = SizePartitioner(partition_sizes=sizes)
     else:  # pragma: no cover - validated by DataConfig
         raise DataError(f"partition={scheme!r} cannot be applied to {dataset_name!r}")
