@@ -64,9 +64,6 @@ def _as_dtype(dtype: np.dtype = np.dtype(np.float32)):
     return f
 
 
-_identity_f32 = _as_dtype(np.dtype(np.float32))
-
-
 def _scalar_norm(mean: float, std: float, scale: float = 255.0, dtype: np.dtype = np.dtype(np.float32)):
     def f(x: np.ndarray) -> np.ndarray:
         out = x.astype(dtype)
