@@ -82,6 +82,13 @@ class GCConfig:
 GC_MODES = ("auto", "none", "local", "global", "hybrid", "local-only")
 
 
+# ``init``: where the run's global model starts: the model's own seeded
+# initialisation, or the optimum of a strongly convex problem plus Gaussian
+# noise (fedaccel/optimum.py).
+INITS = ("seeded", "near-optimum")
+INIT_NOISE_DEFAULT = 0.1
+
+
 # ``cohort-batching``: the fast runner trains a round's clients as one batched
 # model (fedaccel/clients/cohort.py) when it can ('auto'), must ('on': a run it
 # cannot batch is refused) or never ('off').
@@ -131,6 +138,10 @@ class RunConfig:
     resume: str = ""  # a run folder or checkpoint file to continue from ("" = a new run)
     tracker: str = "none"  # where the per-round metrics go too (fedaccel.trackers.TRACKERS)
     tracker_uri: str = ""  # TensorBoard log root or MLflow tracking URI ("" = the tracker's default)
+    precision: str = "float32"  # float32 | float64: data, model and every client and server state
+    init: str = "seeded"  # INITS: the global model's start
+    init_noise: float = INIT_NOISE_DEFAULT  # std of the per-coordinate noise of init='near-optimum'
+    optimality: bool = False  # record each round's gap and distance to the optimum (fedaccel/optimum.py)
     algo_params: Any = None  # the algorithm's own typed config dataclass
     gc: GCConfig = GCConfig()
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -174,6 +185,11 @@ class RunConfig:
         if self.accl_every == 0:
             return False
         return server_round % self.accl_every == 0 or server_round == self.num_server_rounds
+
+    @property
+    def needs_optimum(self) -> bool:
+        """The run starts near the optimum or measures the distance to it."""
+        return self.init == "near-optimum" or self.optimality
 
     def to_dict(self) -> dict[str, Any]:
         """The full resolved config as written to ``config.json``."""

@@ -30,7 +30,7 @@ from fedaccel.registry import get_algorithm
 from fedaccel.run_config import parse_run_config
 from fedaccel.results import RunRecorder
 from fedaccel.trackers import open_tracker, require_tracker
-from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name
+from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name, optimum_of
 from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
 from fedaccel.cohort_nodes import CohortNodes
 from fedaccel.grids import PromptGrid
@@ -133,6 +133,8 @@ class Experiment:
         self.test_y = torch.from_numpy(dataset.test_y).to(self.device)
         self.strategy = self.spec.build_strategy(cfg, federation)
         self.run_dir = run_dir or writable_run_dir(cfg)
+        # optimality: each round's gap and distance to the optimum (fedaccel.optimum)
+        self.optimum = optimum_of(cfg, dataset) if cfg.optimality else None
         resolved = cfg.to_dict()
         resolved["resolved"].update({
             "model": model_name(cfg),
@@ -144,6 +146,10 @@ class Experiment:
             # bits with the same thread count (docs/measurements.md)
             "torch-threads": torch.get_num_threads(),
         })
+        if self.optimum is not None:  # and where the run starts (round 0), for rates from the start
+            start_gap, start_dist = self.optimum.measure(self.model.state_dict())
+            resolved["resolved"]["optimum"] = {**self.optimum.describe(), "start-gap": start_gap,
+                                               "start-dist": start_dist}
         rows_before = resume.rows if resume is not None else []
         self.recorder = RunRecorder(self.run_dir, resolved, cfg.target_accuracy,
                                     cfg.num_server_rounds, quiet=quiet, rows=rows_before,
@@ -182,6 +188,8 @@ class Experiment:
             "failures": stats.failures if stats else 0,
             "state_lost": stats.state_lost if stats else 0,
         }
+        if self.optimum is not None:
+            row["gap"], row["dist"] = self.optimum.measure(arrays)
         self._round_start = now
         self.recorder.log_round(row)
         if self.cfg.checkpoint_every and server_round % self.cfg.checkpoint_every == 0:
@@ -279,6 +287,11 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
                            "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
                            "node train one client at a time: use 'auto' or 'off', or set logical-clients")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
+    if client_store is None and cfg.needs_optimum:
+        key, value = ("init", cfg.init) if cfg.init == "near-optimum" else ("optimality", cfg.optimality)
+        raise config_error(key, value, "is computed from every client's training data, which only the fast "
+                           "runner's server holds for certain (a SuperNode may hold its own data): run it with "
+                           "fedaccel-run or fedaccel-sweep")
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
     if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
         raise config_error("logical-clients", cfg.logical_clients,

@@ -312,6 +312,9 @@ def progress_line(row: dict, num_rounds: int) -> str:
         parts.append(f"down {_fmt_mb(row['bytes_down'])}")
     if row.get("seconds") is not None:
         parts.append(f"{row['seconds']:.2f} s")
+    for key in ("gap", "dist"):  # optimality=true: to the optimum (fedaccel.optimum)
+        if row.get(key) is not None:
+            parts.append(f"{key} {row[key]:.3e}")
     return "  ".join(parts)
 
 

@@ -18,14 +18,15 @@ from typing import Any, Mapping
 from fedaccel.clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
 from fedaccel.clients.state import CLIENT_STATES
 from fedaccel.data import DATASETS, PARTITIONS
+from fedaccel.data.config import PRECISIONS
 from fedaccel.config import (
-    COHORT_BATCHING, DEVICES, GC_MODES, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
+    COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
     parse_algo_params, require,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
 from fedaccel.trackers import TRACKERS
-from fedaccel.models import MODELS
+from fedaccel.models import MODELS, default_model
 
 
 #: The allowed values of every shared string key that has a fixed set: what
@@ -34,6 +35,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": tuple(DATASETS),
     "model": ("auto",) + tuple(MODELS),
     "partition": tuple(PARTITIONS),
+    "precision": PRECISIONS,
+    "init": INITS,
     "device": DEVICES,
     "sampler": SAMPLERS,
     "lr-schedule": ("constant", "step"),
@@ -211,6 +214,9 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
                 "(the algorithm's default: 1.0 for fedpm/localnewton, 0 otherwise)")
         clip_norm = float(clip_norm)
 
+    precision = _string(cfg, "precision", CHOICES["precision"]) if "precision" in cfg else "float32"
+    init, init_noise, optimality = _optimum_keys(cfg, model, dataset, wd)
+
     sampler = _string(cfg, "sampler", CHOICES["sampler"])
     straggler_policy = _string(cfg, "straggler-policy", CHOICES["straggler-policy"])
     return RunConfig(
@@ -254,10 +260,36 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         resume=_string(cfg, "resume"),
         tracker=_string(cfg, "tracker", CHOICES["tracker"]),
         tracker_uri=_string(cfg, "tracker-uri"),
+        precision=precision,
+        init=init,
+        init_noise=init_noise,
+        optimality=optimality,
         algo_params=algo_params,
         gc=gc,
         raw=dict(cfg),
     )
+
+
+def _optimum_keys(cfg: Mapping[str, Any], model: str, dataset: str, wd: float) -> tuple[str, float, bool]:
+    """``init``, ``init-noise`` and ``optimality``, checked: both need the
+    optimum of the run's objective, which is unique only for a strongly convex
+    one (``logreg`` with ``weight-decay`` > 0); ``init-noise`` belongs to
+    ``init='near-optimum'``."""
+    init = _string(cfg, "init", CHOICES["init"]) if "init" in cfg else "seeded"
+    noise = _number(cfg, "init-noise") if "init-noise" in cfg else INIT_NOISE_DEFAULT
+    require(noise >= 0, "init-noise", cfg.get("init-noise"), "must be >= 0 (the std of the noise added to "
+            "each coordinate of the optimum)")
+    require(init == "near-optimum" or noise == INIT_NOISE_DEFAULT, "init-noise", cfg.get("init-noise"),
+            f"is the noise of init='near-optimum', which this run does not use (init='{init}'): remove it, "
+            "or set init='near-optimum'")
+    optimality = _boolean(cfg, "optimality") if "optimality" in cfg else False
+    if init == "near-optimum" or optimality:
+        key, value = ("init", init) if init == "near-optimum" else ("optimality", optimality)
+        resolved = default_model(dataset) if model == "auto" else model
+        require(resolved == "logreg" and wd > 0, key, value,
+                "needs a strongly convex problem, whose optimum is unique: model='logreg' with "
+                f"weight-decay > 0 (this run: model='{resolved}', weight-decay={cfg['weight-decay']!r})")
+    return init, noise, optimality
 
 
 _REQUIRED = (

@@ -7,13 +7,19 @@ from typing import Any
 import torch
 
 from fedaccel.data import DataConfig, FederatedDataset, load_federated
-from fedaccel.config import RunConfig
+from fedaccel.config import RunConfig, config_error
 from fedaccel.models import build_model, default_model
+from fedaccel.optimum import Optimum, optimum_for
+
+
+#: ``precision`` -> the torch dtype of the model and every tensor of the run
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:
     """The data settings of a run; identical on the server and every client."""
     return DataConfig(
+        precision=cfg.precision,
         dataset=cfg.dataset,
         num_clients=num_clients,
         partition=cfg.partition,
@@ -42,6 +48,27 @@ def model_name(cfg: RunConfig) -> str:
 
 
 def build_model_for(cfg: RunConfig, dataset: FederatedDataset | Any) -> torch.nn.Module:
-    """The run's model, initialised from ``seed`` (same weights everywhere)."""
+    """The run's model in its ``precision``, the same weights everywhere:
+    initialised from ``seed`` (``init='seeded'``), or the optimum of the
+    run's objective plus ``init-noise`` (``init='near-optimum'``, seeded too)."""
     torch.manual_seed(cfg.seed)
-    return build_model(model_name(cfg), tuple(dataset.input_shape), dataset.num_classes)
+    model = build_model(model_name(cfg), tuple(dataset.input_shape), dataset.num_classes)
+    model = model.to(TORCH_DTYPES[cfg.precision])
+    if cfg.init == "near-optimum":
+        start = optimum_of(cfg, dataset).near(cfg.init_noise, cfg.seed)
+        with torch.no_grad():
+            for key, value in start.items():
+                model.get_parameter(key).copy_(value)
+    return model
+
+
+def optimum_of(cfg: RunConfig, dataset: FederatedDataset | Any) -> Optimum:
+    """The optimum of the run's objective over its clients' training data
+    (:mod:`fedaccel.optimum`; refused for a dataset this process does not
+    hold, such as a device's own data file)."""
+    if not isinstance(dataset, FederatedDataset):
+        raise config_error("init" if cfg.init == "near-optimum" else "optimality",
+                           cfg.init if cfg.init == "near-optimum" else cfg.optimality,
+                           "needs the run's whole training data in this process; a SuperNode with its own "
+                           "data-path holds only its own: use the fast runner (fedaccel-run)")
+    return optimum_for(dataset.config, cfg.weight_decay, dataset.num_classes)

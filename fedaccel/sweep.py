@@ -600,6 +600,16 @@ def _run_on_ray(address: str, todo: list[dict[str, Any]], num_clients: int, cell
         ray.shutdown()
 
 
+def refuse_fast_runner_only(configs: list[dict[str, Any]]) -> None:
+    """Cells with ``init='near-optimum'`` or ``optimality=true`` (computed from
+    every client's data, which only the fast runner's server holds for
+    certain) are refused on a Flower federation before any cell runs."""
+    for config in configs:
+        if config.get("init") == "near-optimum" or config.get("optimality") is True:
+            raise ConfigError(f"cell {config['run-name']}: init='near-optimum' and optimality=true run in the "
+                              "fast runner only: run the study without --federation")
+
+
 def check_federation(connection: str, num_clients: int) -> None:
     """Refuse, before any cell runs, a connection Flower does not know and a
     simulation whose SuperNodes are not the study's ``num-clients``."""
@@ -696,6 +706,7 @@ def run_study(study: Study, shared: dict[str, Any], workers: int | None = None,
     Ray workers act as if on another machine (:func:`_run_on_ray`)."""
     configs = check_cells(study, shared)
     if federation:
+        refuse_fast_runner_only(configs)
         check_federation(federation, study.num_clients)
     check_plan(study, configs)
     try:

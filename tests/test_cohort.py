@@ -160,6 +160,26 @@ def test_a_batched_round_equals_the_per_client_round(algo: str, changes: dict) -
             torch.testing.assert_close(kept_a[key], kept_b[key], atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("algo, changes", [("fedavg", {"momentum": 0.9, "weight-decay": 1e-3}),
+                                           ("scaffold", {"momentum": 0.9}), ("fedpm", {})])
+def test_a_float64_cohort_is_batched_in_float64(algo: str, changes: dict) -> None:
+    """precision='float64': a batched round keeps the model's and the data's
+    float64 (replies, SCAFFOLD's dc) and equals the per-client round to
+    float64 rounding, 1e6 tighter than the float32 tolerance."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "precision": "float64", **changes})
+    model = make_model().double()
+    datas = [TrainData(x=d.x.double(), y=d.y) for d in clients()]
+    expected = per_client_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    got = cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    for x, y in zip(expected[0], got[0]):
+        for p, q in zip(x, y):
+            assert p.dtype == q.dtype == torch.float64
+            torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-12)
+    for extra in got[2]:
+        for record in extra.values():
+            assert all(a.dtype == "float64" for a in record.values()), record
+
+
 def test_the_clip_and_local_gc_cases_really_clip_and_centralize() -> None:
     """The clip and GC cases above would pass vacuously if the clip never
     acted or GC had nothing to do: check that they change the round."""

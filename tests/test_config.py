@@ -98,6 +98,11 @@ BAD_VALUES = [
     ("fedadam.tau", 0, {"algo": "fedadam"}),
     ("train-samples", -1, {"dataset": "digits"}),
     ("train-samples", 100, {}),  # the default dataset is synthetic: not subsampled this way
+    ("precision", "float16", {}),
+    ("precision", 64, {}),
+    ("init", "zeros", {}),
+    ("init-noise", -0.1, {"init": "near-optimum", "model": "logreg", "weight-decay": 0.01}),
+    ("optimality", "yes", {}),
 ]
 
 
@@ -325,3 +330,50 @@ def test_more_clients_than_samples_is_a_data_error(defaults):
     assert "\n" not in msg
     assert "5000" in msg
     assert re.search(rf"\b{n_samples}\b", msg), msg
+
+
+# --------------------------------------------------------------------------- #
+# precision, init, optimality
+# --------------------------------------------------------------------------- #
+CONVEX = {"model": "logreg", "weight-decay": 0.01}
+
+
+def test_precision_init_and_optimality_parse(defaults):
+    cfg = parse_run_config(defaults)
+    assert (cfg.precision, cfg.init, cfg.init_noise, cfg.optimality) == ("float32", "seeded", 0.1, False)
+    cfg = parse_run_config(with_(defaults, precision="float64", init="near-optimum", init_noise=0.5,
+                                 optimality=True, **CONVEX))
+    assert (cfg.precision, cfg.init, cfg.init_noise, cfg.optimality) == ("float64", "near-optimum", 0.5, True)
+    assert cfg.needs_optimum
+    # model 'auto' is logreg for breast-cancer: convex with weight decay
+    assert parse_run_config(with_(defaults, dataset="breast-cancer", optimality=True, weight_decay=0.01)).optimality
+
+
+@pytest.mark.parametrize("key,value,extra,says", [
+    ("init", "near-optimum", {"weight-decay": 0.01}, "model='mlp'"),  # auto on synthetic is the MLP
+    ("optimality", True, {"model": "cnn", "dataset": "digits", "weight-decay": 0.01}, "model='cnn'"),
+    ("optimality", True, {"model": "logreg"}, "weight-decay=0.0"),  # convex, not strongly: no unique optimum
+    ("init-noise", 0.3, {}, "init='seeded'"),  # the noise of a start this run does not use
+])
+def test_refused_combinations_are_one_line_naming_the_key_and_the_fix(defaults, key, value, extra, says):
+    with pytest.raises(ConfigError) as info:
+        parse_one(defaults, key, value, **extra)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"invalid run config: {key}={value!r}: ") and says in msg
+    assert ("model='logreg' with weight-decay > 0" in msg) or ("set init='near-optimum'" in msg)
+
+
+def test_init_and_optimality_are_refused_on_flowers_engines(defaults):
+    """The optimum is computed from every client's training data, which only
+    the fast runner's server holds for certain: a Grid without the fast
+    runner's client store (Flower's) is refused before anything else."""
+    from fakes import StubGrid
+
+    from fedaccel.experiment import run_experiment
+
+    for changes in ({"init": "near-optimum"}, {"optimality": True}):
+        with pytest.raises(ConfigError) as info:
+            run_experiment(StubGrid([1, 2]), {**defaults, **CONVEX, **changes})
+        msg = str(info.value)
+        key = next(iter(changes))
+        assert "\n" not in msg and msg.startswith(f"invalid run config: {key}=") and "fedaccel-run" in msg

@@ -19,7 +19,7 @@ from fedaccel.local_run import default_run_config, fuse, parse_overrides, run_lo
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 FILES = sorted(CONFIGS.glob("*.yaml")) + sorted(CONFIGS.glob("*.yml"))
-SMALLEST = CONFIGS / "fedpm-test1.yaml"  # logreg on synthetic data, 10 clients, one Newton step a round
+SMALLEST = CONFIGS / "fedpm-test1.yaml"  # logreg on breast-cancer (569 samples), 10 clients, one Newton step a round
 
 
 def _ids(paths):

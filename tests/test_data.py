@@ -122,8 +122,8 @@ def client_arrays(fd: FederatedDataset) -> list[np.ndarray]:
 
 
 def test_public_names():
-    assert DATASETS == ("synthetic", "digits", "fashion-mnist", "mnist", "cifar10", "cifar100")
-    assert PARTITIONS == ("auto", "natural", "iid", "dirichlet", "dirichlet-unbalanced")
+    assert DATASETS == ("synthetic", "digits", "breast-cancer", "fashion-mnist", "mnist", "cifar10", "cifar100")
+    assert PARTITIONS == ("auto", "natural", "iid", "dirichlet", "dirichlet-unbalanced", "label-sorted")
     assert issubclass(DataError, ValueError)
 
 
@@ -175,6 +175,80 @@ def test_digits_shapes_and_fixed_test_set():
     np.testing.assert_array_equal(fd.test_x, other.test_x)
     np.testing.assert_array_equal(fd.test_y, other.test_y)
     assert not np.array_equal(fd.client(0).y_train, other.client(0).y_train)
+
+
+def test_breast_cancer_is_sklearns_data_standardized_with_the_pool_as_test_set():
+    from sklearn.datasets import load_breast_cancer
+
+    raw, labels = load_breast_cancer(return_X_y=True)
+    fd = load_federated(DataConfig(dataset="breast-cancer", num_clients=3, partition="iid",
+                                   local_test_fraction=0.0, precision="float64"))
+    check = fd.client(0)
+    assert fd.name == "breast-cancer" and fd.input_shape == (30,) and fd.num_classes == 2 and not fd.augment
+    assert check.x_train.dtype == np.float64 and check.y_train.dtype == np.int64
+    x, y = fd.training_rows()  # every client's rows, in pool order: sklearn's 569 samples
+    assert x.shape == (569, 30) and np.bincount(y).tolist() == [212, 357]
+    np.testing.assert_array_equal(x, (raw - raw.mean(0)) / raw.std(0))  # each feature, over all 569
+    np.testing.assert_allclose(x.mean(0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(x.std(0), 1.0, rtol=1e-12)
+    np.testing.assert_array_equal(y, labels)
+    # no held-out set: the server's test set is the whole data
+    np.testing.assert_array_equal(fd.test_x, x)
+    np.testing.assert_array_equal(fd.test_y, y)
+    # float32 (the default) is the float64 standardisation, rounded
+    fd32 = load_federated(DataConfig(dataset="breast-cancer", num_clients=3, partition="iid",
+                                     local_test_fraction=0.0))
+    assert fd32.test_x.dtype == np.float32
+    np.testing.assert_array_equal(fd32.test_x, x.astype(np.float32))
+
+
+@pytest.mark.parametrize("clients", [10, 6])
+def test_label_sorted_is_the_split_of_the_fedpm_test1_script(monkeypatch, clients):
+    """bench/fedpm_test1.py's breast_cancer_clients: rows sorted by label (ties
+    by the first feature), contiguous shards of Dirichlet(2) sizes >= 20 drawn
+    with seed 0; the same rows in the same order, client by client."""
+    from test_configs import _bench
+
+    shards, _, _ = _bench(monkeypatch, "fedpm_test1").breast_cancer_clients(clients)
+    fd = load_federated(DataConfig(dataset="breast-cancer", num_clients=clients, partition="label-sorted",
+                                   dirichlet_alpha=2.0, local_test_fraction=0.0, precision="float64", seed=0))
+    assert fd.num_clients == len(shards) == clients
+    for i, (xs, ys) in enumerate(shards):
+        part = fd.client(i)
+        np.testing.assert_array_equal(part.x_train, xs.numpy())
+        np.testing.assert_array_equal(part.y_train, ys.numpy())
+    if clients == 10:  # the sizes docs/fedpm.md reports
+        assert fd.partition_sizes() == [67, 98, 40, 147, 34, 36, 20, 20, 40, 67]
+
+
+def test_label_sorted_sorts_by_label_keeps_training_rows_in_order_and_refuses_empty_clients():
+    fd = load_federated(DataConfig(dataset="digits", num_clients=8, partition="label-sorted",
+                                   dirichlet_alpha=2.0, seed=3))
+    labels = [fd.client(i).y_train for i in range(8)]
+    assert all(np.all(np.diff(y) >= 0) for y in labels)  # each client's training rows stay sorted
+    every = np.concatenate(labels)
+    assert np.all(np.diff(every) >= 0)  # the clients are consecutive shards of the sorted pool
+    assert sum(fd.partition_sizes()) == 1437
+    assert len(fd.client(0).y_test) > 0  # the local test split is drawn as for any partition
+    with pytest.raises(DataError) as info:
+        load_federated(DataConfig(dataset="breast-cancer", num_clients=40, partition="label-sorted"))
+    msg = str(info.value)
+    assert "\n" not in msg and "partition='label-sorted'" in msg and "of the 40 clients" in msg
+    fits = int(msg.split("the most clients that fit is ")[1].split()[0])
+    load_federated(DataConfig(dataset="breast-cancer", num_clients=fits, partition="label-sorted"))
+
+
+def test_float64_precision_keeps_the_data_in_float64():
+    a = load_federated(DataConfig(dataset="digits", num_clients=4, partition="iid"))
+    b = load_federated(DataConfig(dataset="digits", num_clients=4, partition="iid", precision="float64"))
+    assert a.client(1).x_train.dtype == np.float32 and b.client(1).x_train.dtype == np.float64
+    assert b.test_x.dtype == np.float64
+    np.testing.assert_allclose(b.client(1).x_train, a.client(1).x_train, rtol=1e-5, atol=1e-5)
+    assert not np.array_equal(b.client(1).x_train, a.client(1).x_train.astype(np.float64))  # not widened
+    syn = load_federated(DataConfig(num_clients=3, precision="float64")).client(0).x_train
+    assert syn.dtype == np.float64
+    with pytest.raises(DataError, match="precision='float16' is unknown; allowed: float32, float64"):
+        DataConfig(precision="float16")
 
 
 @pytest.mark.parametrize("gz", [True, False])

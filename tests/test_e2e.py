@@ -175,9 +175,13 @@ def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch, batching):
         run_local(small_config(tmp_path, **{"cohort-batching": batching}), num_clients=6, quiet=True)
 
 
-def test_devices_with_their_own_data_files(tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_devices_with_their_own_data_files(tmp_path, precision):
     """node config data-path: each client trains on its own .npz (here
-    exported from the rehearsal partitions) and the run completes."""
+    exported from the rehearsal partitions) and the run completes; with
+    precision='float64' the devices read their files as float64 and the
+    global model stays float64."""
+    import numpy as np
     from flwr.app import Context, RecordDict
 
     from fedaccel.apps.client_app import app as client_app
@@ -186,8 +190,8 @@ def test_devices_with_their_own_data_files(tmp_path):
     from fedaccel.data.device_file import export_partition
     from fedaccel.local_grid import LocalGrid
 
-    cfg = small_config(tmp_path, **{"run-name": "files", "accl-every": 0})
-    data_cfg = DataConfig(dataset="synthetic", num_clients=4, synthetic_max_samples=120)
+    cfg = small_config(tmp_path, **{"run-name": "files", "accl-every": 0, "precision": precision})
+    data_cfg = DataConfig(dataset="synthetic", num_clients=4, synthetic_max_samples=120, precision=precision)
     grid = LocalGrid(client_app, cfg, num_clients=4)
     for ctx in grid.contexts.values():
         pid = ctx.node_config["partition-id"]
@@ -196,6 +200,8 @@ def test_devices_with_their_own_data_files(tmp_path):
                              run_config=cfg))
     from_files = read_metrics(tmp_path / "files")
     assert len(from_files) == 4 and all(0 <= r["accg"] <= 1 for r in from_files)
+    final = np.load(tmp_path / "files" / "final_model.npz")
+    assert {str(final[k].dtype) for k in final.files} == {precision}
 
 
 def test_bad_device_file_is_a_clear_client_error(tmp_path):

@@ -475,3 +475,54 @@ def test_exact_mode_several_steps_by_hand(monkeypatch, refresh):
     if refresh == 0:  # appendix B, eq. (16), with a constant preconditioner per client
         torch.testing.assert_close(mixed, theta - lr * torch.linalg.solve(m_sum, r_sum),
                                    rtol=1e-9, atol=1e-11)
+
+
+# ------------------------------------- Test 1 as run config (fast runner, float64)
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread, as bench/fedpm_test1.py runs (and fast on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_test1_run_of_the_fast_runner_is_the_bench_scripts_run_in_float64(monkeypatch, tmp_path, one_torch_thread):
+    """The run config bench/fedpm_test1.py gives its FedPM run, run by the fast
+    runner (breast-cancer, label-sorted, float64, near-optimum start,
+    optimality): the global model stays float64, the optimum, the start and
+    every round's gap and distance are the script's own (its client runtime
+    replaced, its optimum by its own Newton run), here bit for bit; a float32
+    run of the same keys is 1e-8 away."""
+    from test_configs import _bench
+
+    bench = _bench(monkeypatch, "fedpm_test1")
+    rounds = 3
+    prob = bench.problem(10)
+    run = next(r for r in bench.make_runs(rounds, 10) if r["method"] == "FedPM (exact)")
+    dist, gap, status = bench.run_method(run["algo"], run["method_overrides"], prob["shards"], prob["start"],
+                                         rounds, prob["measure"])
+    assert status == "ok"
+
+    def fast_run(**changes):
+        config = fuse(default_run_config(), {**run["overrides"], **changes, "results-dir": str(tmp_path),
+                                             "run-name": "-".join(map(str, changes.values())) or "cell"})
+        run_dir = run_local(config, num_clients=10, quiet=True)
+        optimum = json.loads((run_dir / "config.json").read_text())["resolved"]["optimum"]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        final = np.load(run_dir / "final_model.npz")
+        return (optimum, [optimum["start-gap"]] + [r["gap"] for r in rows],
+                [optimum["start-dist"]] + [r["dist"] for r in rows], final)
+
+    optimum, gaps, dists, final = fast_run()
+    assert {k: final[k].dtype for k in final.files} == {"fc.weight": np.float64, "fc.bias": np.float64}
+    assert optimum["f-star"] == prob["f_star"] and optimum["start-dist"] == prob["start_dist"]
+    assert len(gaps) == len(gap) == rounds + 1
+    np.testing.assert_allclose(gaps, gap, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(dists, dist, rtol=0, atol=1e-12)
+    assert gaps == gap and dists == dist  # in fact the same bits
+    assert dists[3] < 1e-3 * dists[0]  # superlinear: 0.837, 0.125, 1.2e-2, 1.9e-4
+
+    _, gaps32, _, final32 = fast_run(precision="float32")
+    assert final32["fc.weight"].dtype == np.float32
+    assert 1e-12 < max(abs(a - b) for a, b in zip(gaps32[1:], gap[1:])) < 1e-5

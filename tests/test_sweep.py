@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -445,9 +446,16 @@ def _gradient_correction_5pct_runs(monkeypatch):
     return _gradient_correction_runs(monkeypatch, ["--per-round", "5", "--ablation-alphas"])
 
 
+def _fedpm_test1_runs(monkeypatch):
+    """The runs of `python bench/fedpm_test1.py` (default arguments: --rounds 30, --clients 10)."""
+    bench = _bench(monkeypatch, "fedpm_test1")
+    return bench.make_runs(30, 10)
+
+
 @pytest.mark.parametrize("name,bench_runs", [("fedrkmgc-ablation", _gradient_correction_runs),
                                              ("fedrkmgc-5pct", _gradient_correction_5pct_runs),
-                                             ("fedpm-test2", _fedpm_test2_runs)])
+                                             ("fedpm-test2", _fedpm_test2_runs),
+                                             ("fedpm-test1", _fedpm_test1_runs)])
 def test_paper_study_cells_are_the_bench_scripts_runs(monkeypatch, tmp_path, name, bench_runs) -> None:
     """The study's cells are one-to-one the runs of its bench script's default
     invocation: every cell's full run config equals exactly one script run's
@@ -525,6 +533,16 @@ def test_an_unknown_federation_is_refused_before_any_cell(tmp_path, capsys, monk
     assert "--federation runs the cells one after another on Flower" in capsys.readouterr().err
 
 
+def test_a_study_that_needs_the_optimum_is_refused_on_a_federation_before_any_cell(tmp_path, capsys) -> None:
+    path = write_study(tmp_path, seeds=[0], base={**TINY, "model": "logreg", "weight-decay": 0.01,
+                                                   "optimality": True})
+    assert main([str(path), "--federation", "local-simulation"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedaccel-sweep: error: cell seed=0: init='near-optimum' and optimality=true run in "
+                          "the fast runner only") and "\n" not in err
+    assert not (tmp_path / "out" / "s" / "cells").exists()
+
+
 def test_a_bench_table_takes_its_runs_from_the_study_cells_that_equal_them(tmp_path, monkeypatch) -> None:
     """``bench/gradient_correction.py --phase table --from-study``: each of
     the script's runs is the study cell with every one of its overrides
@@ -549,3 +567,57 @@ def test_a_bench_table_takes_its_runs_from_the_study_cells_that_equal_them(tmp_p
     config.write_text(json.dumps({**json.loads(config.read_text()), "seed": 1.0}))  # 1.0 == 1, a float
     with pytest.raises(SystemExit, match=r"0 cells of .* match it"):
         runner.records_from_study(jobs, tmp_path / "study")
+
+
+def test_the_fedpm_test1_tables_take_each_run_from_the_cell_with_its_run_config(tmp_path, monkeypatch) -> None:
+    """``bench/fedpm_test1.py --phase table --from-study``: each script run is
+    the one cell with every one of its keys (values and types); round 0 is the
+    cell's start (config.json), rounds 1.. its metrics; a cell that failed is
+    a failed run; the kept lr is the smallest final gap; a study of another
+    problem (another F*) is refused."""
+    import torch
+
+    bench = _bench(monkeypatch, "fedpm_test1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prob = bench.problem(10)
+    finally:
+        torch.set_num_threads(threads)
+    runs = bench.make_runs(2, 10)
+    sizes = [len(ys) for _, ys in prob["shards"]]
+    cells = tmp_path / "study" / "cells"
+    for i, run in enumerate(runs):
+        folder = cells / f"cell{i}"
+        folder.mkdir(parents=True)
+        optimum = {"f-star": prob["f_star"], "start-dist": prob["start_dist"], "start-gap": 0.5}
+        (folder / "config.json").write_text(json.dumps({**run["overrides"], "run-name": f"cell{i}", "resolved": {
+            "optimum": optimum, "partition-sizes": sizes}}))
+        failed = run["method"] == "FedAvg" and run["lr"] == 8.0
+        rows = [{"round": 1, "gap": 0.1 / (i + 1), "dist": 0.3}] + ([] if failed else [
+            {"round": 2, "gap": 0.01 / (i + 1), "dist": 0.2}])
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "status.json").write_text(json.dumps({"state": "failed" if failed else "finished",
+                                                        "error": "round 2 failed" if failed else None}))
+        if not failed:
+            (folder / "summary.json").write_text(json.dumps({"total_seconds": 1.5}))
+    grid, seconds = bench.grid_from_study(runs, tmp_path / "study", prob, 2)
+    assert seconds == 1.5 * (len(runs) - 1)
+    assert [(m, lr) for m, _, lr, *_ in grid] == [(r["method"], r["lr"]) for r in runs]
+    first = grid[0]
+    assert first[3] == [prob["start_dist"], 0.3, 0.2] and first[4] == [0.5, 0.1, 0.01] and first[5] == "ok"
+    broken = next(row for row in grid if row[0] == "FedAvg" and row[2] == 8.0)
+    assert broken[5] == "failed: round 2 failed" and math.isnan(broken[4][-1])
+    kept = bench.keep_best(grid, 2)
+    assert kept["FedAvg"][1] == 4.0  # the smallest final gap among the finished ones (lr 8 failed)
+    # a cell whose lr differs only in type is not that run
+    config = cells / "cell0" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lr": 1}))
+    with pytest.raises(SystemExit, match=r"FedAvg lr=1: 0 cells of .* have its run config"):
+        bench.grid_from_study(runs, tmp_path / "study", prob, 2)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lr": 1.0}))
+    optimum_of_another_problem = {**json.loads(config.read_text())}
+    optimum_of_another_problem["resolved"]["optimum"]["f-star"] = 0.1
+    config.write_text(json.dumps(optimum_of_another_problem))
+    with pytest.raises(SystemExit, match="are not this script's"):
+        bench.grid_from_study(runs, tmp_path / "study", prob, 2)

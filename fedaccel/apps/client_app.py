@@ -25,6 +25,7 @@ from functools import lru_cache
 from logging import DEBUG, ERROR, INFO
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -143,7 +144,8 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int,
     shared = _shared(frozen_config, num_partitions, data_path)
     cfg, device = shared.cfg, shared.device
     if data_path:
-        part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed)
+        part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed,
+                                np.dtype(cfg.precision))
     else:
         part = shared.dataset.client(partition_id)
     return ClientRuntime(

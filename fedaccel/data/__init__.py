@@ -1,10 +1,11 @@
 """Federated datasets for fedaccel.
 
 Sources: FedProx's Synthetic-(alpha, beta) generator (Li et al., MLSys 2020;
-the setting of FedCDR appendix G.1), scikit-learn digits, MNIST and
-Fashion-MNIST (IDX files), CIFAR-10/100 (python pickles). Pools are split
-among clients with flwr-datasets partitioners (IID, Dirichlet with equal or
-unbalanced sizes); each client's share is split again into train and a
+the setting of FedCDR appendix G.1), scikit-learn digits and breast cancer,
+MNIST and Fashion-MNIST (IDX files), CIFAR-10/100 (python pickles), in
+float32 or float64 (``precision``). Pools are split among clients with
+flwr-datasets partitioners (IID, Dirichlet with equal or unbalanced sizes,
+label-sorted shards); each client's share is split again into train and a
 local test split.
 
     >>> from data import DataConfig, load_federated

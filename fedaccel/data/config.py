@@ -11,6 +11,7 @@ import numpy as np
 DATASETS: tuple[str, ...] = (
     "synthetic",
     "digits",
+    "breast-cancer",
     "fashion-mnist",
     "mnist",
     "cifar10",
@@ -22,7 +23,10 @@ PARTITIONS: tuple[str, ...] = (
     "iid",
     "dirichlet",
     "dirichlet-unbalanced",
+    "label-sorted",
 )
+#: ``precision``: the floating-point type of the data (and of the model and all state)
+PRECISIONS: tuple[str, ...] = ("float32", "float64")
 
 
 class DataError(ValueError):
@@ -69,6 +73,8 @@ class DataConfig:
     # per-client sizes: LogNormal(synthetic_size_mu, 2) + synthetic_min_samples
     synthetic_size_mu: float = 4.0
     synthetic_min_samples: int = 50
+    # the dtype of every client's and the test set's inputs
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -78,6 +84,10 @@ class DataConfig:
         if self.partition not in PARTITIONS:
             raise DataError(
                 f"partition={self.partition!r} is unknown; allowed: {', '.join(PARTITIONS)}"
+            )
+        if self.precision not in PRECISIONS:
+            raise DataError(
+                f"precision={self.precision!r} is unknown; allowed: {', '.join(PRECISIONS)}"
             )
         if not _is_int(self.num_clients) or self.num_clients < 1:
             raise DataError(
@@ -138,7 +148,7 @@ class DataConfig:
         if self.dataset != "synthetic" and self.partition == "natural":
             raise DataError(
                 f"partition='natural' is only available for dataset 'synthetic', not "
-                f"{self.dataset!r}; use auto, iid, dirichlet or dirichlet-unbalanced"
+                f"{self.dataset!r}; use auto, iid, dirichlet, dirichlet-unbalanced or label-sorted"
             )
 
         # Normalise numpy / int scalars so equal configs hash equal (cache key).
@@ -148,6 +158,11 @@ class DataConfig:
                            ("synthetic_alpha", float), ("synthetic_beta", float),
                            ("synthetic_iid", bool)):
             object.__setattr__(self, name, kind(getattr(self, name)))
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The NumPy dtype of ``precision``."""
+        return np.dtype(self.precision)
 
     @property
     def resolved_partition(self) -> str:

@@ -1,6 +1,6 @@
 """A real device's own data: one ``.npz`` file named by ``data-path`` in node config.
 
-Format (``np.savez``): ``x`` float32 of shape ``(N, *input_shape)``,
+Format (``np.savez``): ``x`` floats (read as the run's ``precision``) of shape ``(N, *input_shape)``,
 preprocessed exactly like the run's ``dataset`` loader (e.g. Fashion-MNIST:
 (N, 1, 28, 28), pixels / 255 normalised with mean 0.2860 and std 0.3530 — the
 simplest way to get that right is :func:`export_partition`, or
@@ -28,6 +28,7 @@ from .federated import ClientData
 DATASET_SPECS: dict[str, tuple[tuple[int, ...], int, bool]] = {
     "synthetic": ((60,), 10, False),
     "digits": ((1, 8, 8), 10, False),
+    "breast-cancer": ((30,), 2, False),
     "mnist": ((1, 28, 28), 10, False),
     "fashion-mnist": ((1, 28, 28), 10, False),
     "cifar10": ((3, 32, 32), 10, True),
@@ -38,8 +39,10 @@ DATASET_SPECS: dict[str, tuple[tuple[int, ...], int, bool]] = {
 ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive (empty or not)
 
 
-def load_device_file(path: str, dataset: str, local_test_fraction: float, seed: int) -> ClientData:
-    """Read and check a device's ``.npz``; split it into train and local test."""
+def load_device_file(path: str, dataset: str, local_test_fraction: float, seed: int,
+                     dtype: np.dtype = np.dtype(np.float32)) -> ClientData:
+    """Read and check a device's ``.npz``; split it into train and local test;
+    ``x`` in ``dtype`` (the run's ``precision``)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DataError(f"data-path={path!r}: no such file on this SuperNode; give an .npz with "
@@ -79,7 +82,7 @@ def load_device_file(path: str, dataset: str, local_test_fraction: float, seed: 
     order = rng.permutation(len(y))
     n_test = min(int(round(len(y) * local_test_fraction)), len(y) - 1)
     test, train = order[:n_test], order[n_test:]
-    x, y = x.astype(np.float32, copy=False), y.astype(np.int64, copy=False)
+    x, y = x.astype(dtype, copy=False), y.astype(np.int64, copy=False)
     return ClientData(x_train=x[train], y_train=y[train], x_test=x[test], y_test=y[test])
 
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import DataConfig, DataError
-from .partition import STREAM_SYNTHETIC, STREAM_TRAIN_SUBSET, partition_pool, split_local
+from .partition import STREAM_SYNTHETIC, STREAM_TRAIN_SUBSET, in_partition_order, partition_pool, split_local
 from .sources import (
     SYNTHETIC_CLASSES,
     SYNTHETIC_DIM,
     Source,
-    _identity_f32,
+    _as_dtype,
     generate_synthetic,
+    load_breast_cancer_source,
     load_cifar_source,
     load_digits_source,
     load_idx_source,
@@ -25,7 +26,8 @@ from .sources import (
 
 @dataclass(frozen=True)
 class ClientData:
-    """One client's local data: x float32 (N, *input_shape), y int64 (N,)."""
+    """One client's local data: x (N, *input_shape) in the run's precision
+    (float32 or float64), y int64 (N,)."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -86,6 +88,13 @@ class FederatedDataset:
             y_test=self._pool_y[te],
         )
 
+    def training_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every client's training samples together, in pool order: the data
+        the federation's sample-weighted objective is the mean over (the
+        clients' local test splits left out)."""
+        rows = np.sort(np.concatenate(self._train_idx))
+        return self._transform(self._pool_x[rows]), self._pool_y[rows]
+
     def partition_sizes(self) -> list[int]:
         """Total samples per client (train + local test)."""
         return [len(a) + len(b) for a, b in zip(self._train_idx, self._test_idx)]
@@ -118,6 +127,7 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
         rng,
         size_mu=float(cfg.synthetic_size_mu),
         min_samples=int(cfg.synthetic_min_samples),
+        dtype=cfg.dtype,
     )
     offsets = np.cumsum([0] + [len(y) for y in ys])
     users = [np.arange(offsets[i], offsets[i + 1]) for i in range(cfg.num_clients)]
@@ -135,7 +145,7 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
         )
     source = Source(
         "synthetic", SYNTHETIC_CLASSES, (SYNTHETIC_DIM,), False,
-        pool_x, pool_y, pool_x[all_test], pool_y[all_test], _identity_f32,
+        pool_x, pool_y, pool_x[all_test], pool_y[all_test], _as_dtype(cfg.dtype),
     )
     return FederatedDataset(source, train_idx, test_idx, cfg)
 
@@ -165,7 +175,9 @@ def load_federated(cfg: DataConfig) -> FederatedDataset:
     if cfg.dataset == "synthetic":
         return _synthetic(cfg)
     if cfg.dataset == "digits":
-        source = load_digits_source()
+        source = load_digits_source(cfg.dtype)
+    elif cfg.dataset == "breast-cancer":
+        source = load_breast_cancer_source(cfg.dtype)
     elif cfg.dataset in ("mnist", "fashion-mnist"):
         source = load_idx_source(cfg)
     elif cfg.dataset in ("cifar10", "cifar100"):
@@ -174,6 +186,9 @@ def load_federated(cfg: DataConfig) -> FederatedDataset:
         raise DataError(f"dataset={cfg.dataset!r} is unknown")
     if cfg.train_samples:
         source = _subsample(source, cfg)
-    parts = partition_pool(source.pool_y, cfg, source.name)
+    first = source.pool_x.reshape(len(source.pool_x), -1)[:, 0] if cfg.resolved_partition == "label-sorted" else None
+    parts = partition_pool(source.pool_y, cfg, source.name, first_feature=first)
     train_idx, test_idx = split_local(parts, cfg.local_test_fraction, cfg.seed)
+    if cfg.resolved_partition == "label-sorted":
+        train_idx = in_partition_order(parts, train_idx)
     return FederatedDataset(source, train_idx, test_idx, cfg)

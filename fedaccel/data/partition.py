@@ -14,8 +14,30 @@ STREAM_IID = 2
 STREAM_LOCAL_SPLIT = 3
 STREAM_TRAIN_SUBSET = 4
 
+# label-sorted: the smallest drawn shard size (the last shard takes the rest)
+LABEL_SORTED_MIN_SIZE = 20
 
-def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> list[np.ndarray]:
+
+def label_sorted_order(labels: np.ndarray, first_feature: np.ndarray) -> np.ndarray:
+    """The pool's rows sorted by label, ties by the first input feature's value,
+    then by pool order (``np.lexsort``, stable)."""
+    return np.lexsort((first_feature, labels))
+
+
+def label_sorted_sizes(n: int, k: int, alpha: float, seed: int) -> list[int]:
+    """Shard sizes of ``label-sorted``: ``n * Dirichlet(alpha, ..., alpha)``
+    drawn with ``np.random.default_rng(seed)``, each floored at
+    :data:`LABEL_SORTED_MIN_SIZE`, cut at the running sums (clipped to ``n``);
+    the last shard takes the rest. Exactly the split of FedPM's Test 1 bench
+    script (``bench/fedpm_test1.py``, ``breast_cancer_clients``), so its
+    stream is ``default_rng(seed)``, not one of the ``[seed, k]`` streams."""
+    draws = np.random.default_rng(seed).dirichlet(np.ones(k) * alpha) * n
+    cuts = np.clip(np.cumsum(np.maximum(draws, LABEL_SORTED_MIN_SIZE)).astype(int), 0, n)[:-1]
+    return [int(v) for v in np.diff(np.concatenate([[0], cuts, [n]]))]
+
+
+def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str,
+                   first_feature: np.ndarray | None = None) -> list[np.ndarray]:
     """Indices into the pool for each of ``cfg.num_clients`` clients.
 
     - ``iid``: ``IidPartitioner`` (contiguous shards; it has no seed, so the
@@ -24,12 +46,22 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> li
       label priors ~ Dir(alpha) per client (as in FedRKMGC / FedACG).
     - ``dirichlet-unbalanced``: ``DirichletPartitioner`` (each class split
       over clients by Dir(alpha); sizes differ), as in GC-Fed / FedCDR.
+    - ``label-sorted``: ``SizePartitioner`` (contiguous shards of given
+      sizes) over the pool sorted by label (:func:`label_sorted_order`, which
+      needs ``first_feature``, each row's first input value), with sizes
+      drawn by :func:`label_sorted_sizes`: most clients hold one class
+      (FedPM's Test 1 split). flwr-datasets has neither the sort with its
+      tie-break nor Dirichlet-drawn sizes, so those two are written here;
+      its ``ShardPartitioner`` sorts by label but deals out equal shards.
+      A client's indices come in the sorted order (kept for its training
+      split: :func:`in_partition_order`).
     """
     import datasets
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
         IidPartitioner,
         InnerDirichletPartitioner,
+        SizePartitioner,
     )
 
     n, k = len(labels), cfg.num_clients
@@ -44,6 +76,11 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> li
     idx = np.arange(n, dtype=np.int64)
     if scheme == "iid":
         idx = np.random.default_rng([cfg.seed, STREAM_IID]).permutation(n)
+        codes = codes[idx]
+    elif scheme == "label-sorted":
+        if first_feature is None:  # pragma: no cover - every pooled source passes it
+            raise DataError(f"partition='label-sorted' needs the inputs of {dataset_name!r}")
+        idx = label_sorted_order(labels, first_feature)
         codes = codes[idx]
     ds = datasets.Dataset.from_dict({"idx": idx, "label": codes.astype(np.int64)})
 
@@ -67,6 +104,17 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> li
             self_balancing=False,
             seed=cfg.seed,
         )
+    elif scheme == "label-sorted":
+        sizes = label_sorted_sizes(n, k, alpha, cfg.seed)
+        if min(sizes) < 1:
+            fits = next(j for j in range(k - 1, 0, -1) if min(label_sorted_sizes(n, j, alpha, cfg.seed)) >= 1)
+            raise DataError(
+                f"partition='label-sorted' leaves {sum(s < 1 for s in sizes)} of the {k} clients of "
+                f"{dataset_name!r} without samples (every drawn shard but the last takes at least "
+                f"{LABEL_SORTED_MIN_SIZE} of the {n} samples); with this seed and dirichlet-alpha the most "
+                f"clients that fit is {fits} (the sizes are drawn anew for each number of clients, so not "
+                "every smaller number fits), or a larger dirichlet-alpha draws more even sizes")
+        part = SizePartitioner(partition_sizes=sizes)
     else:  # pragma: no cover - validated by DataConfig
         raise DataError(f"partition={scheme!r} cannot be applied to {dataset_name!r}")
     part.dataset = ds
@@ -93,6 +141,14 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str) -> li
             "use a larger dirichlet-alpha or fewer clients"
         )
     return out
+
+
+def in_partition_order(parts: list[np.ndarray], subsets: list[np.ndarray]) -> list[np.ndarray]:
+    """Each client's ``subsets[i]`` (e.g. its training split) in the order its
+    rows have in ``parts[i]``: ``label-sorted`` keeps a client's training rows
+    sorted, as the shards of FedPM's Test 1 script are (full-batch sums then
+    add in the same order: its runs are reproduced bit for bit)."""
+    return [part[np.isin(part, subset)] for part, subset in zip(parts, subsets)]
 
 
 def split_local(

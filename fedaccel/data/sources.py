@@ -51,33 +51,37 @@ class Source:
     augment: bool
     pool_x: np.ndarray  # raw storage (float32 or uint8), shape (N, *input_shape)
     pool_y: np.ndarray  # int64
-    test_x: np.ndarray  # float32, normalised
+    test_x: np.ndarray  # normalised, in the run's precision (float32 or float64)
     test_y: np.ndarray  # int64
-    transform: Callable[[np.ndarray], np.ndarray]  # raw rows -> float32 normalised
+    transform: Callable[[np.ndarray], np.ndarray]  # raw rows -> normalised, in the run's precision
 
 
-def _identity_f32(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32)
-
-
-def _scalar_norm(mean: float, std: float, scale: float = 255.0):
+def _as_dtype(dtype: np.dtype = np.dtype(np.float32)):
+    """Rows already normalised, in ``dtype`` (a copy only when the dtype changes)."""
     def f(x: np.ndarray) -> np.ndarray:
-        out = x.astype(np.float32)
-        out *= np.float32(1.0 / scale)
-        out -= np.float32(mean)
-        out /= np.float32(std)
+        return np.asarray(x, dtype=dtype)
+
+    return f
+
+
+def _scalar_norm(mean: float, std: float, scale: float = 255.0, dtype: np.dtype = np.dtype(np.float32)):
+    def f(x: np.ndarray) -> np.ndarray:
+        out = x.astype(dtype)
+        out *= dtype.type(1.0 / scale)
+        out -= dtype.type(mean)
+        out /= dtype.type(std)
         return out
 
     return f
 
 
-def _channel_norm(mean: tuple[float, ...], std: tuple[float, ...]):
-    m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
-    s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
+def _channel_norm(mean: tuple[float, ...], std: tuple[float, ...], dtype: np.dtype = np.dtype(np.float32)):
+    m = np.asarray(mean, dtype=dtype).reshape(1, -1, 1, 1)
+    s = np.asarray(std, dtype=dtype).reshape(1, -1, 1, 1)
 
     def f(x: np.ndarray) -> np.ndarray:
-        out = x.astype(np.float32)
-        out *= np.float32(1.0 / 255.0)
+        out = x.astype(dtype)
+        out *= dtype.type(1.0 / 255.0)
         out -= m
         out /= s
         return out
@@ -116,6 +120,7 @@ def generate_synthetic(
     rng: np.random.Generator,
     size_mu: float,
     min_samples: int,
+    dtype: np.dtype = np.dtype(np.float32),
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """FedProx's Synthetic-(alpha, beta) data, one (x, y) pair per user.
 
@@ -129,7 +134,7 @@ def generate_synthetic(
     writes ``B[i]``, which is 0 in its synthetic_iid run where beta = 0).
     Sizes are ``LogNormal(size_mu, 2) + min_samples`` clipped to
     ``max_samples``: FedProx uses (4, 50, no clip); FedCDR appendix G.1 uses
-    (2, 10, 50).
+    (2, 10, 50). ``x`` is drawn in float64 and returned in ``dtype``.
     """
     d, c = SYNTHETIC_DIM, SYNTHETIC_CLASSES
     sizes = rng.lognormal(size_mu, 2, num_users).astype(np.int64) + min_samples
@@ -154,7 +159,7 @@ def generate_synthetic(
         x = mean_x[i] + rng.standard_normal((int(sizes[i]), d)) * sqrt_diag
         # argmax(softmax(z)) == argmax(z)
         y = np.argmax(x @ w + b, axis=1).astype(np.int64)
-        xs.append(x.astype(np.float32))
+        xs.append(x.astype(dtype))  # drawn in float64
         ys.append(y)
     return xs, ys
 
@@ -164,21 +169,47 @@ def generate_synthetic(
 # --------------------------------------------------------------------------
 
 
-def load_digits_source() -> Source:
-    """sklearn's 8x8 digits (1797 samples) with a fixed stratified 20% test set."""
+def load_digits_source(dtype: np.dtype = np.dtype(np.float32)) -> Source:
+    """sklearn's 8x8 digits (1797 samples) with a fixed stratified 20% test set,
+    scaled and standardised in ``dtype``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     bunch = load_digits()
-    x = (bunch.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    x = (bunch.data.astype(dtype) / 16.0).reshape(-1, 1, 8, 8)
     y = bunch.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=DIGITS_TEST_FRACTION, stratify=y, random_state=DIGITS_TEST_SEED
     )
     mean, std = float(x_tr.mean()), float(x_tr.std())
-    x_tr = ((x_tr - mean) / std).astype(np.float32)
-    x_te = ((x_te - mean) / std).astype(np.float32)
-    return Source("digits", 10, (1, 8, 8), False, x_tr, y_tr, x_te, y_te, _identity_f32)
+    x_tr = ((x_tr - mean) / std).astype(dtype)
+    x_te = ((x_te - mean) / std).astype(dtype)
+    return Source("digits", 10, (1, 8, 8), False, x_tr, y_tr, x_te, y_te, _as_dtype(dtype))
+
+
+# --------------------------------------------------------------------------
+# breast cancer (scikit-learn, bundled)
+# --------------------------------------------------------------------------
+
+BREAST_CANCER_FEATURES = 30
+
+
+def load_breast_cancer_source(dtype: np.dtype = np.dtype(np.float32)) -> Source:
+    """sklearn's Wisconsin breast-cancer data: 569 samples, 30 features, 2 classes.
+
+    Each feature is standardised over all 569 samples in float64
+    (``(x - mean) / std``, population std), then given in ``dtype``. There is
+    no held-out test set: the pool is every sample, and the global test set
+    is the same 569 samples (the problem FedPM's Test 1 runs is the
+    optimisation of the training objective; ``accg`` is training accuracy)."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = (x - x.mean(0)) / x.std(0)  # float64, as bench/fedpm_test1.py
+    pool_x = np.asarray(x, dtype=dtype)
+    pool_y = np.asarray(y, dtype=np.int64)
+    return Source("breast-cancer", 2, (BREAST_CANCER_FEATURES,), False, pool_x, pool_y,
+                  pool_x.copy(), pool_y.copy(), _as_dtype(dtype))
 
 
 # --------------------------------------------------------------------------
@@ -268,7 +299,7 @@ def load_idx_source(cfg: DataConfig) -> Source:
             )
     mean, std = (FASHION_MEAN, FASHION_STD) if cfg.dataset == "fashion-mnist" else (
         MNIST_MEAN, MNIST_STD)
-    tf = _scalar_norm(mean, std)
+    tf = _scalar_norm(mean, std, dtype=cfg.dtype)
     pool_x = arrays["train_x"].astype(np.uint8, copy=False).reshape(-1, 1, 28, 28)
     test_x = tf(arrays["test_x"].reshape(-1, 1, 28, 28))
     return Source(
@@ -364,7 +395,7 @@ def load_cifar_source(cfg: DataConfig) -> Source:
             )
     mean, std = (CIFAR10_MEAN, CIFAR10_STD) if cfg.dataset == "cifar10" else (
         CIFAR100_MEAN, CIFAR100_STD)
-    tf = _channel_norm(mean, std)
+    tf = _channel_norm(mean, std, dtype=cfg.dtype)
     return Source(
         cfg.dataset, n_classes, (3, 32, 32), True, pool_x, pool_y, tf(test_x), test_y, tf
     )

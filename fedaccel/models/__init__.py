@@ -55,6 +55,7 @@ MODELS: tuple[str, ...] = (
 DEFAULT_MODELS: dict[str, str] = {
     "synthetic": "mlp",
     "digits": "mlp",
+    "breast-cancer": "logreg",
     "mnist": "cnn",
     "fashion-mnist": "cnn",
     "cifar10": "cifar-cnn",
