@@ -183,7 +183,8 @@ def run_method(algo: str, overrides: dict, shards, start: dict, rounds: int,
     from fedaccel.models import LogReg
     from fedaccel.membership import Federation
 
-    FLOWER_LOGGER.setLevel(logging.ERROR)
+    level = FLOWER_LOGGER.level
+    FLOWER_LOGGER.setLevel(logging.ERROR)  # the grid's rounds are quiet; put back below
     run_config = fuse(default_run_config(), run_overrides(algo, overrides, rounds, len(shards)))
     cfg = parse_run_config(run_config)
     spec = get_algorithm(algo)
@@ -220,6 +221,7 @@ def run_method(algo: str, overrides: dict, shards, start: dict, rounds: int,
         status = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
     finally:
         client_module.client_runtime = original
+        FLOWER_LOGGER.setLevel(level)
     if not all(math.isfinite(v) for v in dist + gap) or len(dist) < rounds + 1:
         status = status if status != "ok" else "diverged"
     while len(dist) < rounds + 1:

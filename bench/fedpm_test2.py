@@ -317,6 +317,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fedpm_test2")
     p.add_argument("--run-dir", type=Path, default=Path("/tmp/fedpm_test2_runs"))
+    p.add_argument("--from-study", type=Path, default=None,
+                   help="with --phase table: take the main phase's runs from this study folder "
+                        "(fedaccel-sweep configs/studies/fedpm-test2.yaml) and write them as --out/runs.jsonl")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 20 clients of 200 images, 10 per round (the grid's per-round "
                         "cost), 4 rounds, 1 seed; lr phase: 2 rounds at alpha 0.1")
@@ -340,6 +343,11 @@ def main(argv=None) -> int:
         jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
                 for m in args.methods]
         runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
+    elif args.from_study is not None:
+        jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
+                for m in args.methods]
+        records = runner.records_from_study(jobs, args.from_study)
+        (args.out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     write_outputs(args)
     print(f"[bench] done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

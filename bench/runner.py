@@ -74,6 +74,15 @@ def records_from_study(jobs: list[dict[str, Any]], study_folder: Path) -> list[d
             return all(k in config and config[k] == v and type(config[k]) is type(v)
                        for k, v in job["overrides"].items())
         found = [folder for folder, config in cells if same(config)]
+        status = {}
+        if len(found) == 1 and (found[0] / "status.json").is_file():
+            status = json.loads((found[0] / "status.json").read_text())
+        if status.get("state") == "failed" and status.get("error"):
+            # a run that stopped with a user-facing error (the script's USER_ERRORS):
+            # the same record as the script writes for it, error and last round included
+            seconds = float(status.get("updated", 0.0)) - float(status.get("started", 0.0))
+            records.append(record_of(job, found[0], seconds, status["error"]))
+            continue
         if len(found) != 1 or not (found[0] / "summary.json").is_file():
             raise SystemExit(f"[bench] {job['name']}: {len(found)} cells of {study_folder} match it"
                              f"{'' if len(found) != 1 else ' (not finished)'}")

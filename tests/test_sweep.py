@@ -567,6 +567,20 @@ def test_a_bench_table_takes_its_runs_from_the_study_cells_that_equal_them(tmp_p
     config.write_text(json.dumps({**json.loads(config.read_text()), "seed": 1.0}))  # 1.0 == 1, a float
     with pytest.raises(SystemExit, match=r"0 cells of .* match it"):
         runner.records_from_study(jobs, tmp_path / "study")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "seed": 1}))
+    # a cell that stopped with an error is the script's failed-run record
+    failed = cells / jobs[1]["name"]
+    (failed / "summary.json").unlink()
+    (failed / "status.json").write_text(json.dumps({"state": "failed", "round": 1, "started": 100.0,
+                                                    "updated": 112.0, "error": "round 2: diverged"}))
+    (failed / "metrics.jsonl").write_text(json.dumps({"round": 1, "accg": 0.4}) + "\n")
+    records = runner.records_from_study(jobs, tmp_path / "study")
+    assert [(r["error"], r["last_round"], r["seconds"], r["final_accg"]) for r in records] == [
+        (None, 10, 12.5, 0.6), ("round 2: diverged", 1, 12.0, None)]
+    # one that is still running (or was killed) is not finished
+    (failed / "status.json").write_text(json.dumps({"state": "running", "round": 1}))
+    with pytest.raises(SystemExit, match=r"1 cells of .* match it \(not finished\)"):
+        runner.records_from_study(jobs, tmp_path / "study")
 
 
 def test_the_fedpm_test1_tables_take_each_run_from_the_cell_with_its_run_config(tmp_path, monkeypatch) -> None:
