@@ -447,9 +447,9 @@ def _gradient_correction_5pct_runs(monkeypatch):
 
 
 def _fedpm_test1_runs(monkeypatch):
-    """The runs of `python bench/fedpm_test1.py` (default arguments: --rounds 30, --clients 10)."""
+    """The runs of `python bench/fedpm_test1.py` (--rounds 30, the default, and --rounds 200; --clients 10)."""
     bench = _bench(monkeypatch, "fedpm_test1")
-    return bench.make_runs(30, 10)
+    return bench.make_runs(30, 10) + bench.make_runs(200, 10)
 
 
 @pytest.mark.parametrize("name,bench_runs", [("fedrkmgc-ablation", _gradient_correction_runs),
