@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedaccel.local_run import default_run_config, fuse, project_dir, run_local
@@ -116,6 +117,29 @@ def assert_same_rows(sim: list[dict], fast: list[dict], test_size: int) -> None:
         assert abs(s["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
         assert s["loss"] == pytest.approx(f["loss"], rel=1e-4)
         assert (s["accl"] is None) == (f["accl"] is None)
+
+
+def test_float64_runs_through_flowers_simulation(flwr_env, tmp_path):
+    """``precision='float64'`` under flwr run: SCAFFOLD (state on both sides)
+    keeps a float64 model, float64 arrays on the wire (about twice the
+    float32 bytes) and the fast runner's rows."""
+    config = overrides("scaffold", tmp_path / "sim", precision="float64", **{"client-state": "context"})
+    proc = flwr_run(flwr_env, config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    sim_dir = tmp_path / "sim" / "scaffold"
+    final = np.load(sim_dir / "final_model.npz")
+    assert {final[k].dtype for k in final.files} == {np.dtype(np.float64)}
+    fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
+                         num_clients=NUM_CLIENTS, quiet=True)
+    fast32_dir = run_local(fuse(default_run_config(), {**config, "precision": "float32",
+                                                       "results-dir": str(tmp_path / "fast32")}),
+                           num_clients=NUM_CLIENTS, quiet=True)
+    sim = rows(sim_dir)
+    test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
+    assert_same_rows(sim, rows(fast_dir), test_size)
+    # twice the values' bytes (each array's .npy header stays the same size)
+    assert all(1.9 * f["bytes_up"] < r["bytes_up"] < 2 * f["bytes_up"] for r, f in zip(sim, rows(fast32_dir)))
 
 
 COHORT_NODES = {"logical-clients": 12, "clients-per-round": 8, "client-state": "context"}
