@@ -191,6 +191,12 @@ class RunConfig:
         """The run starts near the optimum or measures the distance to it."""
         return self.init == "near-optimum" or self.optimality
 
+    @property
+    def optimum_setting(self) -> tuple[str, Any]:
+        """The key and value that make the run need the optimum (for a refusal
+        line): ``init`` when it starts near it, else ``optimality``."""
+        return ("init", self.init) if self.init == "near-optimum" else ("optimality", self.optimality)
+
     def to_dict(self) -> dict[str, Any]:
         """The full resolved config as written to ``config.json``."""
         out = dict(self.raw)

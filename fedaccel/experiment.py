@@ -288,8 +288,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
                            "node train one client at a time: use 'auto' or 'off', or set logical-clients")
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     if client_store is None and cfg.needs_optimum:
-        key, value = ("init", cfg.init) if cfg.init == "near-optimum" else ("optimality", cfg.optimality)
-        raise config_error(key, value, "is computed from every client's training data, which only the fast "
+        raise config_error(*cfg.optimum_setting, "is computed from every client's training data, which only the fast "
                            "runner's server holds for certain (a SuperNode may hold its own data): run it with "
                            "fedaccel-run or fedaccel-sweep")
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id

@@ -67,8 +67,6 @@ def optimum_of(cfg: RunConfig, dataset: FederatedDataset | Any) -> Optimum:
     (:mod:`fedaccel.optimum`; refused for a dataset this process does not
     hold, such as a device's own data file)."""
     if not isinstance(dataset, FederatedDataset):
-        raise config_error("init" if cfg.init == "near-optimum" else "optimality",
-                           cfg.init if cfg.init == "near-optimum" else cfg.optimality,
-                           "needs the run's whole training data in this process; a SuperNode with its own "
-                           "data-path holds only its own: use the fast runner (fedaccel-run)")
+        raise config_error(*cfg.optimum_setting, "needs the run's whole training data in this process; a "
+                           "SuperNode with its own data-path holds only its own: use the fast runner (fedaccel-run)")
     return optimum_for(dataset.config, cfg.weight_decay, dataset.num_classes)

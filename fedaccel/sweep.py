@@ -604,8 +604,10 @@ def refuse_fast_runner_only(configs: list[dict[str, Any]]) -> None:
     """Cells with ``init='near-optimum'`` or ``optimality=true`` (computed from
     every client's data, which only the fast runner's server holds for
     certain) are refused on a Flower federation before any cell runs."""
+    from fedaccel.run_config import parse_run_config
+
     for config in configs:
-        if config.get("init") == "near-optimum" or config.get("optimality") is True:
+        if parse_run_config(config).needs_optimum:
             raise ConfigError(f"cell {config['run-name']}: init='near-optimum' and optimality=true run in the "
                               "fast runner only: run the study without --federation")
 
