@@ -337,17 +337,13 @@ def main(argv=None) -> int:
     if args.phase == "lr":
         jobs = [make_run(args, m, alpha, 0, "lr", lr) for alpha in args.lr_alphas
                 for m, grid in LR_GRID.items() for lr in grid]
-        runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
-    elif args.phase == "run":
-        # seed by seed, so a run cut short still has complete seeds
+    else:  # the main grid, seed by seed, so a run cut short still has complete seeds
         jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
                 for m in args.methods]
+    if args.phase != "table":
         runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
     elif args.from_study is not None:
-        jobs = [make_run(args, m, alpha, seed) for seed in args.seeds for alpha in args.alphas
-                for m in args.methods]
-        records = runner.records_from_study(jobs, args.from_study)
-        (args.out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runner.save_records_from_study(jobs, args.from_study, args.out)
     write_outputs(args)
     print(f"[bench] done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

@@ -195,8 +195,7 @@ def main(argv=None) -> int:
     if args.phase == "run":
         runner.execute(jobs, args.out, args.run_dir, args.jobs, describe)
     elif args.from_study is not None:
-        records = runner.records_from_study(jobs, args.from_study)
-        (args.out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        runner.save_records_from_study(jobs, args.from_study, args.out)
     write_outputs(args)
     print(f"[bench] done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0

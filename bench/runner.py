@@ -91,6 +91,13 @@ def records_from_study(jobs: list[dict[str, Any]], study_folder: Path) -> list[d
     return records
 
 
+def save_records_from_study(jobs: list[dict[str, Any]], study_folder: Path, out: Path) -> None:
+    """``out/runs.jsonl`` = :func:`records_from_study` (what ``--phase table
+    --from-study`` tabulates)."""
+    records = records_from_study(jobs, study_folder)
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def load_records(out: Path) -> list[dict[str, Any]]:
     path = out / "runs.jsonl"
     if not path.is_file():
