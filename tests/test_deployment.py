@@ -64,7 +64,12 @@ def check_two_rounds(deployment, algo: str, returncode: int, out: str) -> None:
     run_config = {k: v for k, v in config.items() if k != "resolved"}
     fast = rows(run_local(run_config | {"results-dir": str(deployment.work / "fast")},
                           num_clients=2, quiet=True))
-    test_size = config["resolved"]["global-test-size"]
+    assert_same_as_fast(metrics, fast, config["resolved"]["global-test-size"])
+
+
+def assert_same_as_fast(metrics: list[dict], fast: list[dict], test_size: int) -> None:
+    """The deployment's rows are the fast runner's: bytes exactly, accuracy to
+    one prediction, loss to 1e-4."""
     for d, f in zip(metrics, fast, strict=True):
         assert d["bytes_up"] == f["bytes_up"] and d["bytes_down"] == f["bytes_down"]
         assert abs(d["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
@@ -123,12 +128,7 @@ def test_cohort_nodes_through_real_supernodes(deployment):
     run_config = {k: v for k, v in config.items() if k != "resolved"}
     fast = rows(run_local(run_config | {"results-dir": str(deployment.work / "fast-cohort")},
                           num_clients=2, quiet=True))
-    test_size = config["resolved"]["global-test-size"]
-    assert len(metrics) == len(fast)
-    for d, f in zip(metrics, fast):
-        assert d["bytes_up"] == f["bytes_up"] and d["bytes_down"] == f["bytes_down"]
-        assert abs(d["accg"] - f["accg"]) <= 1.0 / test_size  # one prediction at most
-        assert d["loss"] == pytest.approx(f["loss"], rel=1e-4)
+    assert_same_as_fast(metrics, fast, config["resolved"]["global-test-size"])
 
 
 def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
