@@ -48,6 +48,13 @@ def one_error_line(err: str) -> str:
     (["cohort-chunk=-1"], 2, "cohort-chunk=-1: must be an integer >= 0"),
     (["logical-clients=-4"], 2, "logical-clients=-4: must be an integer >= 0"),
     (["logical-clients=1.5"], 2, "logical-clients=1.5: must be an integer >= 0"),
+    (["precision='float16'"], 2, "precision='float16': allowed: float32, float64"),
+    (["init-noise=0.3"], 2, "init-noise=0.3: is the noise of init='near-optimum', which this run does not use"),
+    (["init='near-optimum'"], 2, "init='near-optimum': needs a strongly convex problem, whose optimum is unique: "
+                                 "model='logreg' with weight-decay > 0 (this run: model='mlp', weight-decay=0.0)"),
+    (["optimality=true", "model='logreg'"], 2, "needs a strongly convex problem, whose optimum is unique: "
+                                               "model='logreg' with weight-decay > 0 (this run: model='logreg', "
+                                               "weight-decay=0.0)"),
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
