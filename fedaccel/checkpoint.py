@@ -57,6 +57,7 @@ from flwr.common import serde
 from flwr.proto.recorddict_pb2 import ArrayRecord as ProtoArrayRecord, RecordDict as ProtoRecordDict
 
 from fedaccel.clients.state import durable_replace
+from fedaccel.config import config_literal
 from fedaccel.errors import CheckpointError
 
 FORMAT = 1
@@ -332,7 +333,7 @@ def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
     for key in sorted((set(saved) | set(given)) - UNCHECKED_KEYS):
         a, b = saved.get(key, "<absent>"), given.get(key, "<absent>")
         if a != b or type(a) is not type(b):
-            out.append(f"{key}={b!r} (checkpoint: {a!r})")
+            out.append(f"{key}={config_literal(b)} (checkpoint: {config_literal(a)})")
     return out
 
 

@@ -22,9 +22,15 @@ class ConfigError(ValueError):
     """A run-config value is invalid; the message is one line for the user."""
 
 
+def config_literal(value: Any) -> str:
+    """``value`` as a user writes it in ``--run-config`` (TOML): strings
+    quoted, ``true``/``false`` in lower case."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def config_error(key: str, value: Any, allowed: str) -> ConfigError:
     """Build the one-line error used for every invalid key."""
-    return ConfigError(f"invalid run config: {key}={value!r}: {allowed}")
+    return ConfigError(f"invalid run config: {key}={config_literal(value)}: {allowed}")
 
 
 def did_you_mean(word: str, choices: Any) -> str:

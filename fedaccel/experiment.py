@@ -304,8 +304,37 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     resume = load_resume(cfg, run_config, client_store) if cfg.resume else None
-    # a results folder that cannot be written fails now, not at the end
-    run_dir = writable_run_dir(cfg, run_dir_of(resume.path) if resume is not None else None)
+    # a results folder that cannot be written fails now, not at the end; one
+    # this run creates is removed again if the run is refused before its first file
+    target = run_dir_of(resume.path) if resume is not None else resolve_run_dir(cfg)
+    created = not target.exists()
+    run_dir = writable_run_dir(cfg, target)
+    try:
+        experiment, grid = _start_experiment(cfg, run_config, grid, client_store, shared_disk, resume,
+                                             run_dir, quiet, engine, run_id)
+    except BaseException:
+        if created:
+            remove_if_empty(run_dir)
+        raise
+    experiment.run(grid)
+    return experiment.run_dir
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` if nothing was written into it (a refused run leaves no empty run folder)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty, or already gone: leave it as it is
+
+
+def _start_experiment(cfg: RunConfig, run_config: dict, grid: Grid, client_store: ClientStore | None,
+                      shared_disk: SharedDiskClientStore | None, resume: Checkpoint | None, run_dir: Path,
+                      quiet: bool, engine: str, run_id: int) -> tuple[Experiment, Grid]:
+    """Find the federation and build the run (data, model, strategy, results
+    files): everything :func:`run_experiment` may refuse after the run folder
+    exists. Returns the run and the grid it runs on (wrapped: prompt replies,
+    cohort nodes)."""
     grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
     if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
         grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0))
@@ -325,5 +354,4 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
                             engine=engine, run_id=run_id)
     if shared_disk is not None:
         shared_disk.applied = lambda: experiment.strategy.accepted_round
-    experiment.run(grid)
-    return experiment.run_dir
+    return experiment, grid

@@ -52,7 +52,7 @@ def one_error_line(err: str) -> str:
     (["init-noise=0.3"], 2, "init-noise=0.3: is the noise of init='near-optimum', which this run does not use"),
     (["init='near-optimum'"], 2, "init='near-optimum': needs a strongly convex problem, whose optimum is unique: "
                                  "model='logreg' with weight-decay > 0 (this run: model='mlp', weight-decay=0.0)"),
-    (["optimality=true", "model='logreg'"], 2, "needs a strongly convex problem, whose optimum is unique: "
+    (["optimality=true", "model='logreg'"], 2, "optimality=true: needs a strongly convex problem, whose optimum is unique: "
                                                "model='logreg' with weight-decay > 0 (this run: model='logreg', "
                                                "weight-decay=0.0)"),
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
@@ -77,6 +77,32 @@ def test_malformed_yaml_files(tmp_path, capsys, text, wanted):
     code, _, err = run_cli(capsys, "--config", str(study), f"results-dir='{tmp_path / 'out'}'", *SMALL)
     assert code == 2 and wanted in one_error_line(err)
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("args,wanted", [
+    (["dataset='digits'", "--num-clients", "5000"],
+     "num-clients=5000 exceeds the 1437 training samples of 'digits'; use at most 1437 clients"),
+    (["dataset='breast-cancer'", "partition='label-sorted'", "--num-clients", "400"],
+     "partition='label-sorted' leaves 371 of the 400 clients of 'breast-cancer' without samples"),
+])
+def test_data_refused_after_the_run_folder_exists_leaves_no_folder(tmp_path, capsys, args, wanted):
+    """A data error is found once the run folder exists (the server loads the
+    data after checking that the folder can be written): exit 3, one line,
+    and the empty run folder is removed again."""
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL[:-2], *args)
+    assert code == 3 and wanted in one_error_line(err)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_refused_run_leaves_an_existing_run_folder_alone(tmp_path, capsys):
+    """``run-name`` naming a folder that already holds files: a refused run
+    removes nothing of it."""
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    code, _, _ = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='mine'", "dataset='digits'",
+                         *SMALL[:-2], "--num-clients", "5000")
+    assert code == 3 and [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
 def test_results_dir_that_is_a_file_is_exit_3(tmp_path, capsys):
@@ -204,8 +230,8 @@ def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.slow  # four fresh interpreters, ~10 s: the same checks run in-process in the quick tier
-@pytest.mark.parametrize("case", ["yaml", "dangling", "results-file", "memory"])
+@pytest.mark.slow  # five fresh interpreters, ~10 s: the same checks run in-process in the quick tier
+@pytest.mark.parametrize("case", ["yaml", "dangling", "results-file", "memory", "data"])
 def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
     """The installed ``fedaccel-run``, stderr to a pipe, one mistake of each
     kind of the issue: one plain line naming what to fix, its exit code,
@@ -221,6 +247,7 @@ def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
         "dangling": (["--run-config", "algo='fedavg' lr"], 2, "--run-config: 'lr' is not key=value"),
         "results-file": ([f"results-dir='{blocker}'"], 3, f"results-dir='{blocker}': cannot write the run folder"),
         "memory": (["--num-clients", "100000000"], 3, "100,000,000 clients need about"),
+        "data": (["dataset='digits'", "--num-clients", "5000"], 3, "exceeds the 1437 training samples"),
     }[case]
     proc = subprocess.run([str(exe), f"results-dir='{results}'", *SMALL[:-2], *args],
                           capture_output=True, text=True, timeout=120)
@@ -228,7 +255,7 @@ def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
     assert proc.stdout == "" and "\x1b[" not in proc.stderr and "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith("fedaccel-run: error: ") and wanted in line
-    assert not results.exists() and blocker.read_text() == "x"
+    assert not (results.exists() and any(results.iterdir())) and blocker.read_text() == "x"
 
 
 @pytest.mark.parametrize("entity", ["ServerApp", "Simulation"])

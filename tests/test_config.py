@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from fedaccel.config import ConfigError, RunConfig
+from fedaccel.config import ConfigError, RunConfig, config_literal
 
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, parse_overrides
@@ -359,7 +359,7 @@ def test_refused_combinations_are_one_line_naming_the_key_and_the_fix(defaults, 
     with pytest.raises(ConfigError) as info:
         parse_one(defaults, key, value, **extra)
     msg = str(info.value)
-    assert "\n" not in msg and msg.startswith(f"invalid run config: {key}={value!r}: ") and says in msg
+    assert "\n" not in msg and msg.startswith(f"invalid run config: {key}={config_literal(value)}: ") and says in msg
     assert ("model='logreg' with weight-decay > 0" in msg) or ("set init='near-optimum'" in msg)
 
 
@@ -377,3 +377,9 @@ def test_init_and_optimality_are_refused_on_flowers_engines(defaults):
         msg = str(info.value)
         key = next(iter(changes))
         assert "\n" not in msg and msg.startswith(f"invalid run config: {key}=") and "fedaccel-run" in msg
+
+
+def test_values_in_errors_are_written_as_the_user_writes_them():
+    """The values an error shows are TOML, as ``--run-config`` takes them:
+    strings quoted, booleans lower case."""
+    assert [config_literal(v) for v in (True, False, "fedavg", 0.1, 3)] == ["true", "false", "'fedavg'", "0.1", "3"]
