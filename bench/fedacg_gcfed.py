@@ -91,6 +91,7 @@ def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "accl-every": 0,
         "target-accuracy": args.target,
         "device": args.device,
+        "cohort-batching": "off",  # the recorded runs trained one client after another (the default is now 'auto')
     }
 
 

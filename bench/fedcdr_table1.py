@@ -87,6 +87,7 @@ def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "accl-every": 0,
         "target-accuracy": args.target,
         "device": "cpu",
+        "cohort-batching": "off",  # the recorded runs trained one client after another (the default is now 'auto')
     }
 
 

@@ -109,7 +109,8 @@ def run_overrides(algo: str, overrides: dict, rounds: int, clients: int) -> dict
             "clients-per-round": clients, "accl-every": 0, "client-state": "context",
             "seed": SEED, "dataset": "breast-cancer", "partition": "label-sorted",
             "dirichlet-alpha": SIZE_ALPHA, "local-test-fraction": 0.0, "precision": "float64",
-            "init": "near-optimum", "init-noise": NOISE, "optimality": True, **overrides}
+            "init": "near-optimum", "init-noise": NOISE, "optimality": True,
+            "cohort-batching": "off", **overrides}  # one client after another, as recorded
 
 
 def make_runs(rounds: int, clients: int) -> list[dict]:

@@ -131,6 +131,7 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int,
         # = 1.0 for fedpm/localnewton, fedpm.upload 'auto' = 'used'). Not part of a run's
         # identity unless the method sets them itself.
         "clip-norm": 0,
+        "cohort-batching": "off",  # the recorded grid trained one client after another (the default is now 'auto')
     }
     if METHODS[method]["algo"] == "fedpm":
         ov["fedpm.upload"] = "end"

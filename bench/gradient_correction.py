@@ -72,6 +72,7 @@ def make_run(args: argparse.Namespace, method: str, alpha: float, seed: int) -> 
         "accl-every": 0, "local-test-fraction": 0.0, "train-samples": args.train_samples,
         "target-accuracy": args.target, "device": args.device, "seed": seed,
         "num-server-rounds": args.rounds,
+        "cohort-batching": "off",  # the recorded runs trained one client after another (the default is now 'auto')
     }
     ov.update(METHODS[method])
     ident = {k: ov[k] for k in ID_KEYS if k in ov}

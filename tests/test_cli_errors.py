@@ -196,18 +196,20 @@ def test_piped_error_is_one_plain_line(tmp_path):
     assert "\x1b[" not in proc.stdout + proc.stderr
 
 
-def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch):
-    """Every client of a round fails: one line with the cause, exit 4, and the
-    run folder says failed (with that line) instead of looking finished."""
+@pytest.mark.parametrize("batching,where", [("off", "fedaccel.clients.base.LocalSolver.run_epochs"),
+                                            ("auto", "fedaccel.clients.cohort.train_cohort")])
+def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch, batching, where):
+    """Every client of a round fails (one after another, or batched): one line
+    with the cause, exit 4, and the run folder says failed (with that line)
+    instead of looking finished."""
     import json
-
-    import fedaccel.clients.base
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
-    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='f'", "--quiet", *SMALL)
+    monkeypatch.setattr(where, broken)
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='f'", "--quiet",
+                           f"cohort-batching='{batching}'", *SMALL)
     line = one_error_line(err)
     assert code == 4 and "disk on fire" in line
     status = json.loads((tmp_path / "f" / "status.json").read_text())

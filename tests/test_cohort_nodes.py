@@ -258,7 +258,8 @@ def test_one_clients_bug_fails_that_client_alone(monkeypatch):
         return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=message)
 
     monkeypatch.setattr(ca, "train", train)
-    config = fuse(default_run_config(), {"logical-clients": 4, "synthetic.max-samples": 80})
+    config = fuse(default_run_config(), {"logical-clients": 4, "synthetic.max-samples": 80,
+                                         "cohort-batching": "off"})
     context = Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 2},
                       state=RecordDict(), run_config=config)
     messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
