@@ -254,6 +254,10 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     del base["fedpm.refresh-every"]
     run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "auto"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err
+    run_local(fuse(default_run_config(), {**base, "algo": "fedprox"}), num_clients=4)  # the default: 'auto'
+    assert "each round's clients train as one batched model" in capsys.readouterr().err
+    run_local(fuse(default_run_config(), {**base, "algo": "fedprox", "cohort-batching": "off"}), num_clients=4)
+    assert "clients train one after another (cohort-batching='off')" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("algo", ["fedprox", "fedpm"])

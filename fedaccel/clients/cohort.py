@@ -227,7 +227,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     forward = batched_forward(model)
 
     def grads_of(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                 real: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                 real: torch.Tensor, count: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Every client's gradient of its mean loss over its real samples.
         The clients' weights are disjoint, so one backward of the sum of their
         losses gives each client the gradient of its own."""
@@ -235,7 +235,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
         # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
         ce = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
-        losses = (ce * real).sum(dim=1) / real.sum(dim=1)
+        losses = (ce * real).sum(dim=1) / count  # count = real.sum(dim=1), taken once per round
         return torch.autograd.grad(losses.sum(), params), losses.detach()
     own = [m.solver.step_tensors() for m in cohort]
     stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
@@ -248,8 +248,8 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     cfg = template.cfg
     composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
     clip_norm = float(getattr(cfg, "clip_norm", 0.0))
-    loss_sum = torch.zeros(len(cohort), device=device)
-    seen = torch.zeros(len(cohort), device=device)
+    counts = mask.sum(dim=2)  # [T, C]: each client's real samples per step
+    step_losses = torch.zeros_like(counts)  # each client's mini-batch loss per step (0 once it has left)
     active = len(cohort)
     plain_rule = not template.edits_gradients()
     for t in range(index.shape[0]):
@@ -262,7 +262,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
         idx, real = index[t, :active], mask[t, :active]
-        grads, losses = grads_of(holder, x_all[idx], y_all[idx], real)
+        grads, losses = grads_of(holder, x_all[idx], y_all[idx], real, counts[t, :active])
         for p, g in zip(holder, grads):
             p.grad = g
         if not plain_rule:  # the solver's own rule, on every client at once
@@ -272,15 +272,15 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         if clip_norm > 0:
             clip_grad_norm_per_client(holder, clip_norm)
         optimizer.step()
-        counts = real.sum(dim=1)
-        loss_sum[:active] += losses * counts
-        seen[:active] += counts
+        step_losses[t, :active] = losses
+    loss_sum, seen = (step_losses * counts).sum(dim=0), counts.sum(dim=0)
     trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
     for key in template.accumulators:  # the rule's running sums, back to each client
         for c, o in enumerate(own):
             for i, v in enumerate(stacked[key]):
                 o[key][i].copy_(v[c])
-    metrics = [{"train-loss": float(loss_sum[c]) / max(float(seen[c]), 1.0), "local-steps": steps[c]}
+    loss_sums, seen_counts = loss_sum.tolist(), seen.tolist()
+    metrics = [{"train-loss": loss_sums[c] / max(seen_counts[c], 1.0), "local-steps": steps[c]}
                for c in range(len(cohort))]
     weights_out, metrics_out = [None] * len(members), [None] * len(members)
     for pos, c in enumerate(order):  # back to the members' order
@@ -370,6 +370,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                               [p.detach().clone() for p in model.parameters()])
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
+    params = list(model.parameters())
     for (lr, epochs), group in groups.items():
         # chunk by chunk, each client's work from before_steps to close_round,
         # so that only one chunk's per-client tensors (FedPM's FOOF factors) live at once
@@ -377,15 +378,16 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             part = []
             for j, member in group[start:start + chunk]:
                 try:
-                    _load_weights(model, member.start)
-                    member.solver.before_steps(model, member.data, member.generator)  # as local_training
+                    if type(member.solver).before_steps is not LocalSolver.before_steps:
+                        _load_weights(params, member.start)
+                        member.solver.before_steps(model, member.data, member.generator)  # as local_training
                 except errors as err:
                     out[j] = err
                     continue
                 part.append((j, member))
             weights, metrics = train_cohort(model, [m for _, m in part], lr, epochs, batch_size)
             for (j, _), w, m in zip(part, weights, metrics):
-                _load_weights(model, w)
+                _load_weights(params, w)
                 try:
                     out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m)
                 except errors as err:
@@ -393,7 +395,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     return out  # type: ignore[return-value]
 
 
-def _load_weights(model: torch.nn.Module, weights: list[torch.Tensor]) -> None:
+def _load_weights(params: list[torch.nn.Parameter], weights: list[torch.Tensor]) -> None:
+    """Copy ``weights`` into the model's parameters ``params`` (``list(model.parameters())``)."""
     with torch.no_grad():
-        for p, v in zip(model.parameters(), weights):
+        for p, v in zip(params, weights):
             p.copy_(v)
