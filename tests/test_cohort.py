@@ -180,6 +180,29 @@ def test_a_float64_cohort_is_batched_in_float64(algo: str, changes: dict) -> Non
             assert all(a.dtype == "float64" for a in record.values()), record
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cohort-batching='auto' batches there too)")
+@pytest.mark.parametrize("algo, changes", [("fedavg", {"momentum": 0.9, "weight-decay": 1e-3}),
+                                           ("scaffold", {"momentum": 0.9}),
+                                           ("fedcdr", {"momentum": 0.9, "fedcdr.eta": 0.5}),
+                                           ("fedpm", {})])
+def test_a_batched_round_on_a_gpu_equals_the_per_client_round(algo: str, changes: dict) -> None:
+    """device='cuda': the model, the data and every client's tensors on the
+    GPU; two batched rounds equal the per-client rounds there (the MLP's
+    matmuls: no TF32 unless the user turns it on)."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "device": "cuda", **changes})
+    model = make_model().cuda()
+    datas = [TrainData(x=d.x.cuda(), y=d.y.cuda()) for d in clients()]
+    states_a = [ContextState(RecordDict()) for _ in datas]
+    states_b = [ContextState(RecordDict()) for _ in datas]
+    for server_round in (1, 2):
+        expected = per_client_round(cfg, model, datas, states_a, server_round)
+        assert_same_round(expected, cohort_round(cfg, model, datas, states_b, server_round))
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                mean = torch.stack([w[i] for w in expected[0]]).mean(0).cuda()
+                p.add_(mean) if algo in STATE_GROUP else p.copy_(mean)
+
+
 def test_the_clip_and_local_gc_cases_really_clip_and_centralize() -> None:
     """The clip and GC cases above would pass vacuously if the clip never
     acted or GC had nothing to do: check that they change the round."""
