@@ -7,10 +7,11 @@ simulation, on a real SuperLink, and in the fast runner alike.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from logging import INFO
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 import torch
@@ -309,49 +310,41 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     target = run_dir_of(resume.path) if resume is not None else resolve_run_dir(cfg)
     created = not target.exists()
     run_dir = writable_run_dir(cfg, target)
-    try:
-        experiment, grid = _start_experiment(cfg, run_config, grid, client_store, shared_disk, resume,
-                                             run_dir, quiet, engine, run_id)
-    except BaseException:
-        if created:
-            remove_if_empty(run_dir)
-        raise
+    with removed_if_left_empty(run_dir, created):
+        grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
+        if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
+            grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0))
+        federation = discover_federation(grid, timeout=cfg.round_timeout)
+        if isinstance(grid, CohortNodes):
+            grid.close_discovery()  # from now on a node that appears is a restarted SuperNode
+        cfg.cohort_size(federation.num_clients)  # fail before any work if too many
+        if resume is not None and resume.num_clients != federation.num_clients:
+            raise CheckpointError(f"resume={cfg.resume!r}: the checkpoint is of a run with {resume.num_clients} "
+                                  f"clients, this federation has {federation.num_clients}; resume it with "
+                                  f"{resume.num_clients} (fast runner: --resume sets it)")
+        require_memory(cfg, federation.num_clients, client_contexts=False)  # the server's data
+        if resume is not None and resume.clients is not None and client_store is not None:
+            client_store.restore_client_state_files(resume.clients)
+        experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir, resume=resume,
+                                client_store=client_store,
+                                engine=engine, run_id=run_id)
+        if shared_disk is not None:
+            shared_disk.applied = lambda: experiment.strategy.accepted_round
     experiment.run(grid)
     return experiment.run_dir
 
 
-def remove_if_empty(folder: Path) -> None:
-    """Remove ``folder`` if nothing was written into it (a refused run leaves no empty run folder)."""
+@contextmanager
+def removed_if_left_empty(folder: Path, created: bool) -> Iterator[None]:
+    """Within the block, an exception removes ``folder`` again if this run
+    ``created`` it and nothing was written into it (a run refused before its
+    first file leaves no empty run folder); a folder that holds files stays."""
     try:
-        folder.rmdir()
-    except OSError:
-        pass  # not empty, or already gone: leave it as it is
-
-
-def _start_experiment(cfg: RunConfig, run_config: dict, grid: Grid, client_store: ClientStore | None,
-                      shared_disk: SharedDiskClientStore | None, resume: Checkpoint | None, run_dir: Path,
-                      quiet: bool, engine: str, run_id: int) -> tuple[Experiment, Grid]:
-    """Find the federation and build the run (data, model, strategy, results
-    files): everything :func:`run_experiment` may refuse after the run folder
-    exists. Returns the run and the grid it runs on (wrapped: prompt replies,
-    cohort nodes)."""
-    grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
-    if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
-        grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0))
-    federation = discover_federation(grid, timeout=cfg.round_timeout)
-    if isinstance(grid, CohortNodes):
-        grid.close_discovery()  # from now on a node that appears is a restarted SuperNode
-    cfg.cohort_size(federation.num_clients)  # fail before any work if too many
-    if resume is not None and resume.num_clients != federation.num_clients:
-        raise CheckpointError(f"resume={cfg.resume!r}: the checkpoint is of a run with {resume.num_clients} "
-                              f"clients, this federation has {federation.num_clients}; resume it with "
-                              f"{resume.num_clients} (fast runner: --resume sets it)")
-    require_memory(cfg, federation.num_clients, client_contexts=False)  # the server's data
-    if resume is not None and resume.clients is not None and client_store is not None:
-        client_store.restore_client_state_files(resume.clients)
-    experiment = Experiment(cfg, federation, quiet=quiet, run_dir=run_dir, resume=resume,
-                            client_store=client_store,
-                            engine=engine, run_id=run_id)
-    if shared_disk is not None:
-        shared_disk.applied = lambda: experiment.strategy.accepted_round
-    return experiment, grid
+        yield
+    except BaseException:
+        if created:
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # not empty, or already gone: leave it as it is
+        raise
