@@ -12,6 +12,7 @@ their per-client cost counts. Written by hand: no library estimates this.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from fedaccel.config import RunConfig
 from fedaccel.errors import ResourceError
@@ -60,6 +61,20 @@ def available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def available_bytes_on(device: torch.device) -> int | None:
+    """The memory free for new tensors on ``device``: on a CUDA device the
+    GPU's free memory (``torch.cuda.mem_get_info``) plus what PyTorch's
+    caching allocator holds unused; elsewhere the host's :func:`available_bytes`.
+    None where it cannot be read."""
+    if device.type == "cuda":
+        try:
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        except RuntimeError:
+            return None
+    return available_bytes()
 
 
 def gib(n: float) -> str:

@@ -56,3 +56,39 @@ def test_ten_million_clients_is_one_line_and_exit_3_at_once(tmp_path, capsys, mo
     assert code == 3 and len(err) == 1
     assert "10,000,000 clients need about" in err[0] and "24.0 GiB available" in err[0]
     assert not any(tmp_path.iterdir())
+
+
+def test_free_memory_is_read_where_the_tensors_live(monkeypatch):
+    """Cohort chunks are sized to the memory of the device that trains them:
+    a CUDA device's free memory plus what PyTorch's allocator holds unused,
+    not the host's (a GPU with 4 GiB free on a host with 100 GiB)."""
+    import torch
+
+    from fedaccel.memory import available_bytes_on
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GIB, 16 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * GIB)
+    monkeypatch.setattr("fedaccel.memory.available_bytes", lambda: 100 * GIB)
+    assert available_bytes_on(torch.device("cuda", 0)) == 4 * GIB
+    assert available_bytes_on(torch.device("cpu")) == 100 * GIB
+
+
+def test_the_cohort_chunk_asks_the_training_datas_device(monkeypatch):
+    """``cohort-chunk=0`` sizes the chunk from the free memory of the device
+    the clients' data (and model) live on."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import fedaccel.apps.client_app as ca
+    from fedaccel.models import build_model
+
+    asked = []
+    monkeypatch.setattr(ca, "available_bytes_on", lambda device: asked.append(device) or 10**12)
+    rt = SimpleNamespace(cfg=SimpleNamespace(cohort_chunk=0, batch_size=16), model=build_model("mlp", (6,), 3),
+                         train=SimpleNamespace(x=torch.zeros(5, 6)),
+                         solver=SimpleNamespace(cohort_bytes=lambda model: 0))
+    assert ca.cohort_chunk(rt) > 1000 and asked == [torch.device("cpu")]
+    rt.cfg.cohort_chunk = 7
+    assert ca.cohort_chunk(rt) == 7 and len(asked) == 1  # an explicit size asks nothing

@@ -35,7 +35,7 @@ from flwr.common.constant import ErrorCode
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.cohort import (CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason,
                                      unbatchable_error)
-from fedaccel.memory import available_bytes
+from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
 from fedaccel.client_errors import exception_reply
@@ -280,11 +280,12 @@ def cohort_fallback(context: Context) -> str | None:
 
 def cohort_chunk(rt: ClientRuntime) -> int:
     """The most clients of a round that train as one batch: ``cohort-chunk``,
-    or (0) as many as fit in a quarter of the memory available now."""
+    or (0) as many as fit in a quarter of the memory available now on the
+    device the clients train on (the GPU's own on CUDA, not the host's)."""
     if rt.cfg.cohort_chunk > 0:
         return rt.cfg.cohort_chunk
     return chunk_size(rt.model, rt.train.x.new_zeros(rt.train.x.shape[1:]), rt.cfg.batch_size,
-                      available_bytes(), extra=rt.solver.cohort_bytes(rt.model))
+                      available_bytes_on(rt.train.x.device), extra=rt.solver.cohort_bytes(rt.model))
 
 
 def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
