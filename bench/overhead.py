@@ -38,6 +38,7 @@ global model on the server test set.
     python bench/overhead.py --workloads mlp-synthetic --algos fedavg --modes bare fast cohort \
         --per-round 100 --repeat 3                            # a whole cohort of 100 per round
     python bench/overhead.py --phase table                    # re-tabulate results.jsonl
+    python bench/overhead.py --modes bare fast cohort --device cuda   # the same on a GPU (rows say so)
 
 Rounds per run: 20 on the MLP workloads, 5 on the CNN (``--rounds`` sets all). With
 ``--repeat N`` the bare and fast runs of a cell alternate N times (bare, fast, bare, fast...)
@@ -85,7 +86,7 @@ CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never t
 
 
 def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path, name: str,
-              per_round: int = 10, mode: str = "fast") -> dict[str, Any]:
+              per_round: int = 10, mode: str = "fast", device: str = "cpu") -> dict[str, Any]:
     cohort_nodes = {"logical-clients": clients, "cohort-batching": "auto"} if mode == "ray-cohort" else {}
     # the bare loop's FedPM uploads the end-of-round FOOF matrix (what the
     # recorded measurements ran; FedPM's default is now upload 'used')
@@ -94,7 +95,7 @@ def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path
         **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
         "clients-per-round": per_round, "local-epochs": 1,
         "cohort-batching": "on" if mode == "cohort" else "off", "eval-every": rounds, "accl-every": 0,
-        "device": "cpu", "seed": 0, "results-dir": str(run_dir), "run-name": name,
+        "device": device, "seed": 0, "results-dir": str(run_dir), "run-name": name,
         # the bare loop does not clip (FedPM's default is now clip-norm 1.0)
         "clip-norm": 0, **cohort_nodes,
     }
@@ -121,10 +122,15 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
         dataset=cfg["dataset"], num_clients=clients, partition=cfg["partition"],
         dirichlet_alpha=cfg["dirichlet-alpha"], seed=seed, local_test_fraction=cfg["local-test-fraction"]))
     parts = [data.client(i) for i in range(clients)]
-    train = [(torch.from_numpy(p.x_train), torch.from_numpy(p.y_train)) for p in parts]
-    test_x, test_y = torch.from_numpy(data.test_x), torch.from_numpy(data.test_y)
+    dev = torch.device(cfg["device"])
+    train = [(torch.from_numpy(p.x_train).to(dev), torch.from_numpy(p.y_train).to(dev)) for p in parts]
+    test_x, test_y = torch.from_numpy(data.test_x).to(dev), torch.from_numpy(data.test_y).to(dev)
     torch.manual_seed(seed)
-    model = build_model(cfg["model"], data.input_shape, data.num_classes)
+    model = build_model(cfg["model"], data.input_shape, data.num_classes).to(dev)
+
+    def synchronize() -> None:  # a GPU's queued kernels count in the round that queued them
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     x0 = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
     glob = OrderedDict((k, v.clone()) for k, v in x0.items())
     params = dict(model.named_parameters())
@@ -146,7 +152,7 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg["momentum"],
                               weight_decay=cfg["weight-decay"])
         for _ in range(epochs):
-            order = torch.randperm(len(y), generator=generator)
+            order = torch.randperm(len(y), generator=generator).to(dev)
             for s in range(0, len(y), bs):
                 idx = order[s:s + bs]
                 opt.zero_grad(set_to_none=False)
@@ -213,7 +219,8 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
                 p = len(y) / total
                 with torch.no_grad():
                     for n, module in layers.items():
-                        m = a_end[n].to(torch.float64) + damping * torch.eye(a_end[n].shape[0], dtype=torch.float64)
+                        m = a_end[n].to(torch.float64) + damping * torch.eye(a_end[n].shape[0], dtype=torch.float64,
+                                                                             device=dev)
                         w = foof.weight_matrix(module).to(torch.float64)
                         m_sum[n] = m_sum[n] + p * m if n in m_sum else p * m
                         r_sum[n] = r_sum[n] + p * (w @ m) if n in r_sum else p * (w @ m)
@@ -227,6 +234,7 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
             glob = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
         if rnd == rounds:
             evaluate()
+        synchronize()
         round_seconds.append(time.perf_counter() - start)
     return {"round_seconds": round_seconds, "eval_seconds": eval_seconds, "final": glob}
 
@@ -330,9 +338,10 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp: Path,
-            env: dict[str, str] | None, per_round: int = 10, cohort_nodes: int = 2) -> dict[str, Any]:
-    name = f"{workload}-{algo}-{mode}-{clients}-{per_round}"
-    ov = overrides(workload, algo, rounds, clients, tmp, name, per_round, mode)
+            env: dict[str, str] | None, per_round: int = 10, cohort_nodes: int = 2,
+            device: str = "cpu") -> dict[str, Any]:
+    name = f"{workload}-{algo}-{mode}-{clients}-{per_round}-{device}"
+    ov = overrides(workload, algo, rounds, clients, tmp, name, per_round, mode, device)
     start = time.perf_counter()
     if mode in ("ray", "ray-cohort"):
         res = ray_run(ov, clients if mode == "ray" else cohort_nodes, env)
@@ -347,7 +356,7 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
     secs = res["round_seconds"]
     middle = secs[1:-1] if len(secs) > 2 else secs
     return {"workload": workload, "algo": algo, "mode": mode, "clients": clients, "per_round": per_round,
-            "rounds": rounds,
+            "rounds": rounds, "device": device,
             "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T")}
@@ -378,13 +387,13 @@ def load(out: Path) -> list[dict[str, Any]]:
         if line.strip():
             r = json.loads(line)
             latest[(r["workload"], r["algo"], r["mode"], r["clients"], r.get("per_round", 10),
-                    bool(r.get("scale")))] = r
+                    bool(r.get("scale")), r.get("device", "cpu"))] = r
     return list(latest.values())
 
 
 def write_table(out: Path) -> None:
     recs = load(out)
-    cells = {(r["workload"], r["algo"], r["mode"], r["clients"], r.get("per_round", 10)): r
+    cells = {(r["workload"], r["algo"], r["mode"], r["clients"], r.get("per_round", 10), r.get("device", "cpu")): r
              for r in recs if not r.get("scale")}
     lines = ["# Per-round overhead: bare PyTorch loop vs fast runner (per client, and cohort-batched) "
              "vs Flower's Ray simulation", "",
@@ -399,24 +408,24 @@ def write_table(out: Path) -> None:
              "peak RSS bare / fast / cohort / ray / ray-cohort (MB) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     per_rounds = sorted({key[4] for key in cells})
-    for w in WORKLOADS:
-        for a in ALGOS:
-            for k in per_rounds:
-                row = {m: cells.get((w, a, m, 100, k)) for m in MODES}
-                if not any(row.values()):
-                    continue
+    devices = sorted({key[5] for key in cells}, key=lambda d: (d != "cpu", d))  # CPU rows first
+    for w, a, k, d in ((w, a, k, d) for d in devices for w in WORKLOADS for a in ALGOS for k in per_rounds):
+        row = {m: cells.get((w, a, m, 100, k, d)) for m in MODES}
+        if not any(row.values()):
+            continue
 
-                def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
-                    return fmt.format(row[m][key]) if row[m] else "-"
+        def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
+            return fmt.format(row[m][key]) if row[m] else "-"
 
-                def ratio(m: str) -> str:
-                    return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
-                        if row[m] and row["bare"] else "-"
-                lines.append(
-                    f"| {w} | {a} | {k} | " + " | ".join(f(m, "median_round_s") for m in MODES) + " | "
-                    + " | ".join(ratio(m) for m in MODES[1:]) + " | "
-                    + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
-                    + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
+        def ratio(m: str) -> str:
+            return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
+                if row[m] and row["bare"] else "-"
+        label = w if d == "cpu" else f"{w} ({d})"
+        lines.append(
+            f"| {label} | {a} | {k} | " + " | ".join(f(m, "median_round_s") for m in MODES) + " | "
+            + " | ".join(ratio(m) for m in MODES[1:]) + " | "
+            + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
+            + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
     evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}
     if evals:
         lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "
@@ -448,10 +457,15 @@ def main(argv=None) -> int:
                    help="ray-cohort: the Flower nodes that serve the clients (default 2)")
     p.add_argument("--scale", action="store_true",
                    help="fast runner, mlp-synthetic, FedAvg and FedCDR at 100 and 1,000 clients")
+    p.add_argument("--device", default="cpu",
+                   help="where bare, fast and cohort runs train: cpu (default) or cuda[:N]; their rows are "
+                        "labelled with it (the Ray modes run on the CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
     p.add_argument("--child", choices=["bare", "fast", "cohort"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device != "cpu" and {"ray", "ray-cohort"} & set(args.modes) and not args.child:
+        p.error(f"--device {args.device}: the Ray modes run on the CPU here; use --modes bare fast cohort")
     if args.child:
         child(args)
         return 0
@@ -474,7 +488,8 @@ def main(argv=None) -> int:
                         if rep and mode in ("ray", "ray-cohort"):
                             continue
                         rounds = args.rounds or ROUNDS[w]
-                        rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round, args.cohort_nodes)
+                        rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round, args.cohort_nodes,
+                                      args.device)
                         runs.setdefault(mode, []).append(rec)
                         print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} per round {args.per_round} "
                               f"run {rep + 1}: "
