@@ -409,8 +409,10 @@ def write_table(out: Path) -> None:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     per_rounds = sorted({key[4] for key in cells})
     devices = sorted({key[5] for key in cells}, key=lambda d: (d != "cpu", d))  # CPU rows first
-    for w, a, k, d in ((w, a, k, d) for d in devices for w in WORKLOADS for a in ALGOS for k in per_rounds):
-        row = {m: cells.get((w, a, m, 100, k, d)) for m in MODES}
+    populations = sorted({key[3] for key in cells}, key=lambda n: (n != 100, n))  # 100 clients first
+    for n, d, w, a, k in ((n, d, w, a, k) for n in populations for d in devices for w in WORKLOADS
+                          for a in ALGOS for k in per_rounds):
+        row = {m: cells.get((w, a, m, n, k, d)) for m in MODES}
         if not any(row.values()):
             continue
 
@@ -420,7 +422,7 @@ def write_table(out: Path) -> None:
         def ratio(m: str) -> str:
             return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
                 if row[m] and row["bare"] else "-"
-        label = w if d == "cpu" else f"{w} ({d})"
+        label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "")
         lines.append(
             f"| {label} | {a} | {k} | " + " | ".join(f(m, "median_round_s") for m in MODES) + " | "
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
