@@ -466,7 +466,16 @@ def main(argv=None) -> int:
     p.add_argument("--child", choices=["bare", "fast", "cohort"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.device != "cpu" and {"ray", "ray-cohort"} & set(args.modes) and not args.child:
+    if args.device != "cpu":  # checked here, not in a child's traceback (torch only for a device other than the CPU)
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            p.error(f"--device {args.device}: not a torch device; use cpu or cuda[:N]")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this machine has no CUDA GPU that torch can use; use --device cpu")
+    if args.device != "cpu" and {"ray", "ray-cohort"} & set(args.modes):
         p.error(f"--device {args.device}: the Ray modes run on the CPU here; use --modes bare fast cohort")
     if args.child:
         child(args)

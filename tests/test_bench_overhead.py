@@ -34,3 +34,17 @@ def test_bare_loop_and_fast_runner_reach_the_same_model(tmp_path, algo, mode):
         assert sorted(final.files) == sorted(bare["final"])
         for key, want in bare["final"].items():
             np.testing.assert_allclose(final[key], want.numpy(), rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--device", "gpu0"], "--device gpu0: not a torch device; use cpu or cuda[:N]"),
+    (["--device", "cuda", "--modes", "bare", "ray"], "--device cuda: "),
+])
+def test_a_wrong_device_is_one_line_before_any_run(tmp_path, capsys, argv, wanted):
+    """``--device``: a name torch does not know, a GPU this machine lacks, or a
+    GPU with the Ray modes, gets one line and exit code 2 before anything runs."""
+    with pytest.raises(SystemExit) as stop:
+        _overhead().main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and wanted in err.splitlines()[-1] and "Traceback" not in err
+    assert not any(tmp_path.iterdir())

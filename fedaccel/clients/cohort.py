@@ -378,7 +378,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             part = []
             for j, member in group[start:start + chunk]:
                 try:
-                    if type(member.solver).before_steps is not LocalSolver.before_steps:
+                    if member.solver.overrides("before_steps"):  # only FedPM has work there
                         _load_weights(params, member.start)
                         member.solver.before_steps(model, member.data, member.generator)  # as local_training
                 except errors as err:
