@@ -18,7 +18,8 @@ from flwr.app import RecordDict
 from fakes import run_cfg
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
-from fedaccel.clients.cohort import CohortJob, batched_forward, fallback_reason, fit_cohort
+from fedaccel.clients import cohort as cohort_module
+from fedaccel.clients.cohort import CohortJob, batched_forward, fallback_reason, fit_cohort, sgd_step
 from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.models import build_model
@@ -262,6 +263,82 @@ def test_each_models_batched_forward_is_its_forward(name: str) -> None:
     x = torch.randn(3, 7, 1, 5, 4)
     expected = torch.stack([m(x[c]) for c, m in enumerate(copies)])
     torch.testing.assert_close(batched_forward(copies[0])(params, x), expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("name", ["logreg", "mlp", "mlp200"])
+@pytest.mark.parametrize("copies, dtype", [(1, torch.float32), (4, torch.float32), (3, torch.float64)])
+def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, copies: int, dtype) -> None:
+    """``batched_loss_and_grads`` (the backward written out) equals
+    ``torch.autograd.grad`` through ``batched_forward`` exactly, padding
+    included (the mask is float32 in a float64 run, as the trainer builds it)."""
+    models = [make_model(seed, name, (1, 5, 4)).to(dtype) for seed in range(copies)]
+    names = [k for k, _ in models[0].named_parameters()]
+    params = [torch.stack([dict(m.named_parameters())[k].detach() for m in models]).requires_grad_()
+              for k in names]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(copies, 9, 1, 5, 4, generator=gen, dtype=dtype)
+    y = torch.randint(0, 3, (copies, 9), generator=gen)
+    real = torch.ones(copies, 9)
+    real[-1, 4:] = 0  # the last client's mini-batch is padded (its epoch's last batch)
+    count = real.sum(dim=1)
+    out = models[0].batched_forward(dict(zip(names, params)), x)
+    losses = (torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none") * real).sum(1) / count
+    expected = torch.autograd.grad(losses.sum(), params)
+    grads, got_losses = models[0].batched_loss_and_grads(dict(zip(names, params)), x, y, real, count)
+    assert list(grads) != [] and set(grads) == set(names)
+    for k, e in zip(names, expected):
+        assert torch.equal(grads[k], e), k
+        assert e.abs().sum() > 0, k  # a real gradient, not two zeros
+    assert torch.equal(got_losses, losses.detach())
+
+
+@pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},
+                                      {"momentum": 0.9, "dampening": 0.3},
+                                      {"momentum": 0.5, "nesterov": True, "weight_decay": 1e-3},
+                                      {"momentum": 0.9, "maximize": True}])
+def test_sgd_step_is_the_optimizers_step_bit_for_bit(settings: dict) -> None:
+    gen = torch.Generator().manual_seed(2)
+    start = [torch.randn(3, 4, 5, generator=gen), torch.randn(3, 4, generator=gen)]
+    grads = [[torch.randn_like(w) for w in start] for _ in range(4)]
+    a = [torch.nn.Parameter(w.clone()) for w in start]
+    b = [torch.nn.Parameter(w.clone()) for w in start]
+    optimizer = torch.optim.SGD(a, lr=0.05, **settings)
+    step, buffers = sgd_step(torch.optim.SGD(b, lr=0.05, **settings)), [None, None]
+    for g in grads:
+        for p, gi in zip(a, g):
+            p.grad = gi.clone()
+        optimizer.step()
+        step(b, [gi.clone() for gi in g], buffers)
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+    assert not torch.equal(a[0], start[0])
+
+
+def test_sgd_step_leaves_other_optimizers_to_their_own_step() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert sgd_step(torch.optim.Adam(p, lr=0.1)) is None
+    assert sgd_step(torch.optim.SGD([{"params": p}, {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.1)) is None
+
+
+@pytest.mark.parametrize("algo, changes", [case[1:] for case in BATCHABLE], ids=[case[0] for case in BATCHABLE])
+def test_the_fast_step_is_the_autograd_and_optimizer_step_bit_for_bit(algo: str, changes: dict, monkeypatch) -> None:
+    """A batched round through the written-out backward and SGD's functional
+    form gives the same weights, losses and state bit for bit as the same
+    round through autograd and ``optimizer.step()``: published batched runs
+    do not move."""
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
+    model, datas = make_model(), clients()
+    fast = cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    monkeypatch.setattr(type(model), "batched_loss_and_grads", None)
+    monkeypatch.setattr(cohort_module, "sgd_step", lambda optimizer: None)
+    slow = cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    for wf, ws in zip(fast[0], slow[0]):
+        assert all(torch.equal(p, q) for p, q in zip(wf, ws))
+    assert [m["train-loss"] for m in fast[1]] == [m["train-loss"] for m in slow[1]]
+    for xf, xs in zip(fast[2], slow[2]):
+        for name in xf:
+            for key in xf[name]:
+                assert torch.equal(torch.from_numpy(xf[name][key].numpy()), torch.from_numpy(xs[name][key].numpy()))
 
 
 def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, capsys) -> None:

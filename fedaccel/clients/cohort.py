@@ -58,6 +58,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
+from torch.optim.sgd import sgd as functional_sgd  # public: torch.optim.sgd.__all__
 
 from flwr.app import ArrayRecord
 
@@ -224,19 +225,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     x_all = torch.cat([m.data.x for m in cohort])
     y_all = torch.cat([m.data.y for m in cohort])
     names = [n for n, _ in model.named_parameters()]
-    forward = batched_forward(model)
-
-    def grads_of(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                 real: torch.Tensor, count: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Every client's gradient of its mean loss over its real samples.
-        The clients' weights are disjoint, so one backward of the sum of their
-        losses gives each client the gradient of its own."""
-        out = forward(dict(zip(names, params)), x)  # [C, B, classes]
-        # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
-        # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
-        ce = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
-        losses = (ce * real).sum(dim=1) / count  # count = real.sum(dim=1), taken once per round
-        return torch.autograd.grad(losses.sum(), params), losses.detach()
+    grads_of = batched_loss_and_grads(model)
     own = [m.solver.step_tensors() for m in cohort]
     stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
     tensors = stacked  # the active clients' rows (views: accumulators write through)
@@ -245,6 +234,8 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     weights = [torch.stack([m.start[i] for m in cohort]) for i in range(len(names))]
     holder = [torch.nn.Parameter(w) for w in weights]
     optimizer = template.make_optimizer(_Stacked(holder), lr)
+    step = sgd_step(optimizer)
+    buffers: list[torch.Tensor | None] = [None] * len(holder)  # SGD's momentum, stacked like the weights
     cfg = template.cfg
     composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
     clip_norm = float(getattr(cfg, "clip_norm", 0.0))
@@ -258,6 +249,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             still -= 1
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still)
+            buffers = [None if b is None else b[:still] for b in buffers]
             composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
@@ -271,7 +263,10 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             transform()
         if clip_norm > 0:
             clip_grad_norm_per_client(holder, clip_norm)
-        optimizer.step()
+        if step is None:
+            optimizer.step()
+        else:
+            step(holder, [p.grad for p in holder], buffers)
         step_losses[t, :active] = losses
     loss_sum, seen = (step_losses * counts).sum(dim=0), counts.sum(dim=0)
     trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
@@ -286,6 +281,68 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     for pos, c in enumerate(order):  # back to the members' order
         weights_out[c], metrics_out[c] = trained[pos], metrics[pos]
     return weights_out, metrics_out
+
+
+GradsOf = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+
+
+def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
+    """``grads_of(params, x, y, real, count)``: every client's gradient of its
+    mean loss over its real samples (``params`` stacked in
+    ``model.parameters()`` order, ``x`` ``[C, B, ...]``, ``real`` ``[C, B]``,
+    ``count = real.sum(1)``), and those losses ``[C]``.
+
+    The model's own ``batched_loss_and_grads`` when it has one (the MLPs of
+    :mod:`fedaccel.models.nets`: the backward pass written out, bit for bit
+    autograd's), else one ``torch.autograd.grad`` of the sum of the clients'
+    losses through :func:`batched_forward`: the clients' weights are
+    disjoint, so it gives each client the gradient of its own."""
+    names = [n for n, _ in model.named_parameters()]
+    own = getattr(model, "batched_loss_and_grads", None)
+    if own is not None:
+        def written_out(params, x, y, real, count):
+            grads, losses = own(dict(zip(names, params)), x, y, real, count)
+            return tuple(grads[n] for n in names), losses
+        return written_out
+    forward = batched_forward(model)
+
+    def through_autograd(params, x, y, real, count):
+        out = forward(dict(zip(names, params)), x)  # [C, B, classes]
+        # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
+        # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
+        ce = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
+        losses = (ce * real).sum(dim=1) / count  # count = real.sum(dim=1), taken once per round
+        return torch.autograd.grad(losses.sum(), params), losses.detach()
+    return through_autograd
+
+
+def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list, list, list], None] | None:
+    """``optimizer.step()``'s arithmetic without its wrapper, for a plain
+    ``torch.optim.SGD`` of one parameter group: ``step(params, grads,
+    buffers)`` calls torch's public functional form ``torch.optim.sgd.sgd``
+    with the group's settings, exactly as ``step()`` does (same kernels, same
+    weights bit for bit), keeping the momentum buffers in ``buffers``
+    (``None`` until the first step, as in the optimizer's state).
+
+    What it skips is ``step()``'s bookkeeping: its profiler record, its step
+    hooks and the per-step state dict (30-40 us a step, more than SGD's
+    arithmetic on a small model). The cohort trainer builds this optimizer
+    itself and registers no hooks on it; torch's global optimizer hooks
+    (``register_optimizer_step_pre_hook``) are not called for it. Any other
+    optimizer: None (the caller uses ``step()``)."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return None
+    group = dict(optimizer.param_groups[0])
+    settings = {k: group[k] for k in ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
+                                      "foreach", "fused")}
+    if isinstance(settings["lr"], torch.Tensor) or settings["fused"] or group.get("differentiable"):
+        return None
+
+    def step(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor | None]) -> None:
+        with torch.no_grad():
+            functional_sgd([p.detach() for p in params], grads, buffers, **settings)
+    return step
 
 
 def clip_grad_norm_per_client(params: list[torch.Tensor], max_norm: float) -> None:
