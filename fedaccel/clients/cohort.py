@@ -5,9 +5,11 @@ run together: their weights are stacked along a first "client" dimension, the
 forward pass runs every client's mini-batch through its own weights at once
 (the model's ``batched_forward``, or ``vmap(functional_call(model, ...))``),
 and one backward of the sum of the clients' losses gives each client the
-gradient of its own loss (their weights are disjoint). For the small models
-of federated benchmarks a step is dominated by per-call overhead, which this
-pays once per cohort instead of once per client.
+gradient of its own loss (their weights are disjoint); the MLPs write that
+backward out (``batched_loss_and_grads``: bit for bit autograd's, without
+its engine's per-node cost). For the small models of federated benchmarks a
+step is dominated by per-call overhead, which this pays once per cohort
+instead of once per client.
 
 Nothing of an algorithm is written twice. Per step, as in
 :meth:`fedaccel.clients.base.LocalSolver.run_epochs`:
@@ -25,7 +27,9 @@ Nothing of an algorithm is written twice. Per step, as in
   client dimension leading) and ``clip-norm`` (torch's
   ``clip_grad_norm_`` formula per client, :func:`clip_grad_norm_per_client`);
 - the step: the solver's own ``make_optimizer`` (``torch.optim.SGD``, whose
-  update is elementwise too) over the stacked weights.
+  update is elementwise too) over the stacked weights, its arithmetic called
+  through torch's functional ``sgd`` (:func:`sgd_step`: the same kernels as
+  ``optimizer.step()`` without its per-step bookkeeping).
 
 Ragged cohorts (clients with different sample counts, hence step counts) are
 exact, not padded with fake steps: a client's mini-batches are its own
