@@ -21,6 +21,7 @@ Views are read-only: copy before writing to them.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from functools import lru_cache
 from io import BytesIO
@@ -45,16 +46,17 @@ def _npy_header(dtype_str: str, shape: tuple[int, ...]) -> bytes:
 
 
 @lru_cache(maxsize=4096)
-def _expected_header(dtype: str, shape: tuple[int, ...]) -> tuple[bytes, np.dtype] | None:
-    """(header bytes, dtype) an Array with these fields carries when written by
-    ``np.save`` in format 1.0, or None for dtypes read the slow way."""
+def _expected_header(dtype: str, shape: tuple[int, ...]) -> tuple[bytes, np.dtype, int] | None:
+    """(header bytes, dtype, element count) an Array with these fields carries
+    when written by ``np.save`` in format 1.0, or None for dtypes read the slow way."""
     try:
         dt = np.dtype(dtype)
-    except TypeError:
+        count = math.prod(int(s) for s in shape)
+    except (TypeError, ValueError):
         return None
-    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or count < 0:
         return None
-    return _npy_header(dt.str, shape), dt
+    return _npy_header(dt.str, shape), dt, count
 
 
 def to_numpy(array: Array) -> np.ndarray:
@@ -66,12 +68,12 @@ def to_numpy(array: Array) -> np.ndarray:
     """
     data = array.data
     if array.stype == NUMPY_STYPE and isinstance(data, bytes):
-        expected = _expected_header(array.dtype, tuple(array.shape))
+        shape = tuple(array.shape)
+        expected = _expected_header(array.dtype, shape)
         if expected is not None:
-            header, dt = expected
-            count = int(np.prod(array.shape, dtype=np.int64))
+            header, dt, count = expected
             if len(data) == len(header) + count * dt.itemsize and data.startswith(header):
-                return np.frombuffer(data, dtype=dt, count=count, offset=len(header)).reshape(array.shape)
+                return np.frombuffer(data, dtype=dt, count=count, offset=len(header)).reshape(shape)
     return array.numpy()
 
 
@@ -82,7 +84,13 @@ def from_numpy(values: np.ndarray) -> Array:
         return Array(values)  # Flower's own path (Fortran order, records; its error for objects)
     shape = tuple(int(s) for s in values.shape)
     data = b"".join((_npy_header(values.dtype.str, shape), values.reshape(-1).view(np.uint8)))  # one copy
-    return Array(dtype=str(values.dtype), shape=shape, stype=NUMPY_STYPE, data=data)
+    return Array(dtype=_dtype_name(values.dtype), shape=shape, stype=NUMPY_STYPE, data=data)
+
+
+@lru_cache(maxsize=64)
+def _dtype_name(dtype: np.dtype) -> str:
+    """``str(dtype)`` (``'float32'``), which NumPy builds anew on every call."""
+    return str(dtype)
 
 
 def from_tensor(tensor: torch.Tensor) -> Array:
