@@ -12,6 +12,10 @@ For each workload and algorithm, one invocation times, on this machine:
     another (``cohort-batching='off'``);
 (b') ``cohort``: the same runner with the round's clients trained as one batched model
     (``cohort-batching='on'``);
+(b'') ``no-steps``: the batched runner with the local steps taken out (every client replies
+    the weights it received): what a batched round costs beyond its steps, the per-client
+    framework work (messages, records, state, the server's checks and aggregation), which
+    no faster step can remove;
 (c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
     started cold for every run, 1 CPU per client), one node per client;
 (c') ``ray-cohort``: the same with cohort nodes: ``--cohort-nodes`` nodes (default 2, one
@@ -39,6 +43,8 @@ global model on the server test set.
         --per-round 100 --repeat 3                            # a whole cohort of 100 per round
     python bench/overhead.py --phase table                    # re-tabulate results.jsonl
     python bench/overhead.py --modes bare fast cohort --device cuda   # the same on a GPU (rows say so)
+    python bench/overhead.py --workloads mlp-synthetic --algos fedavg --modes bare cohort no-steps \
+        --per-round 100 --repeat 3                            # how much of a batched round is not steps
 
 Rounds per run: 20 on the MLP workloads, 5 on the CNN (``--rounds`` sets all). With
 ``--repeat N`` the bare and fast runs of a cell alternate N times (bare, fast, bare, fast...)
@@ -80,7 +86,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 ALGOS = ("fedavg", "fedcdr", "fedpm")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
-MODES = ("bare", "fast", "cohort", "ray", "ray-cohort")
+MODES = ("bare", "fast", "cohort", "ray", "ray-cohort", "no-steps")
 UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
@@ -94,7 +100,7 @@ def overrides(workload: str, algo: str, rounds: int, clients: int, run_dir: Path
     return {**fedpm,
         **WORKLOADS[workload], "algo": algo, "num-server-rounds": rounds,
         "clients-per-round": per_round, "local-epochs": 1,
-        "cohort-batching": "on" if mode == "cohort" else "off", "eval-every": rounds, "accl-every": 0,
+        "cohort-batching": "on" if mode in ("cohort", "no-steps") else "off", "eval-every": rounds, "accl-every": 0,
         "device": device, "seed": 0, "results-dir": str(run_dir), "run-name": name,
         # the bare loop does not clip (FedPM's default is now clip-norm 1.0)
         "clip-norm": 0, **cohort_nodes,
@@ -248,6 +254,24 @@ def fast_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     return {"round_seconds": [r["seconds"] for r in _rows(folder)], "folder": str(folder)}
 
 
+def no_steps_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
+    """``fast_run`` with the batched trainer's local steps taken out: each client
+    replies the weights it received and its real step count (mode ``no-steps``)."""
+    import math
+
+    import fedaccel.clients.cohort as cohort
+
+    def no_steps(model, members, lr, epochs, batch_size):
+        return ([[w.clone() for w in m.start] for m in members],
+                [{"train-loss": 0.0, "local-steps": epochs * math.ceil(m.data.num_examples / batch_size)}
+                 for m in members])
+    trainer, cohort.train_cohort = cohort.train_cohort, no_steps
+    try:
+        return fast_run(ov, clients)
+    finally:
+        cohort.train_cohort = trainer
+
+
 def _rows(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -331,7 +355,8 @@ def ray_run(ov: dict[str, Any], nodes: int, env: dict[str, str]) -> dict[str, An
 def child(args: argparse.Namespace) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     ov = json.loads(args.child_overrides)
-    out = (bare_run if args.child == "bare" else fast_run)(ov, args.clients)  # fast and cohort: fast_run
+    run = {"bare": bare_run, "no-steps": no_steps_run}.get(args.child, fast_run)  # fast and cohort: fast_run
+    out = run(ov, args.clients)
     out.pop("final", None)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
@@ -403,10 +428,11 @@ def write_table(out: Path) -> None:
              "of the run (SuperLink, Ray, ServerApp, workers; shared memory counted more than once). "
              "Ratios are time per round over the bare loop's: below 1 is faster than the bare loop.", "",
              "| workload | algo | per round | bare s/round | fast s/round | cohort s/round | ray s/round | "
-             "ray-cohort s/round | fast/bare | cohort/bare | ray/bare | ray-cohort/bare | "
-             "start-up bare / fast / cohort / ray / ray-cohort (s) | "
-             "peak RSS bare / fast / cohort / ray / ray-cohort (MB) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ray-cohort s/round | cohort, no steps s/round | fast/bare | cohort/bare | ray/bare | "
+             "ray-cohort/bare | no-steps/bare | "
+             "start-up bare / fast / cohort / ray / ray-cohort / no-steps (s) | "
+             "peak RSS bare / fast / cohort / ray / ray-cohort / no-steps (MB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     per_rounds = sorted({key[4] for key in cells})
     devices = sorted({key[5] for key in cells}, key=lambda d: (d != "cpu", d))  # CPU rows first
     populations = sorted({key[3] for key in cells}, key=lambda n: (n != 100, n))  # 100 clients first
@@ -463,7 +489,7 @@ def main(argv=None) -> int:
                    help="where bare, fast and cohort runs train: cpu (default) or cuda[:N]; their rows are "
                         "labelled with it (the Ray modes run on the CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
-    p.add_argument("--child", choices=["bare", "fast", "cohort"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["bare", "fast", "cohort", "no-steps"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device != "cpu":  # checked here, not in a child's traceback (torch only for a device other than the CPU)
@@ -489,7 +515,7 @@ def main(argv=None) -> int:
                 groups = [[("fast", "mlp-synthetic", a, n)] for a in ("fedavg", "fedcdr") for n in (100, 1000)]
             else:
                 groups = [[(m, w, a, args.clients) for m in args.modes
-                           if not (m == "cohort" and a in UNBATCHED)]
+                           if not (m in ("cohort", "no-steps") and a in UNBATCHED)]
                           for w in args.workloads for a in args.algos]
             for i, group in enumerate(groups, 1):
                 runs: dict[str, list[dict[str, Any]]] = {}

@@ -48,3 +48,33 @@ def test_a_wrong_device_is_one_line_before_any_run(tmp_path, capsys, argv, wante
     err = capsys.readouterr().err
     assert stop.value.code == 2 and wanted in err.splitlines()[-1] and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+
+
+def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
+    """Mode ``no-steps`` (the framework's floor under a batched round): the
+    same batched run, every message and reply included, with the model left
+    where it started: after 3 rounds it is the model after 1 (to float32
+    rounding of the weighted mean), while the real run's moves; the
+    module's trainer is restored after."""
+    import fedaccel.clients.cohort as cohort
+
+    overhead = _overhead()
+    trainer = cohort.train_cohort
+
+    def final(run) -> dict:
+        with np.load(Path(run["folder"]) / "final_model.npz") as f:
+            return {k: f[k] for k in f.files}
+
+    runs = {}
+    for name, rounds in (("one", 1), ("three", 3)):
+        ov = overhead.overrides("mlp-synthetic", "fedavg", rounds=rounds, clients=20, run_dir=tmp_path, name=name,
+                                mode="no-steps")
+        assert ov["cohort-batching"] == "on"
+        runs[name] = overhead.no_steps_run(ov, 20)
+        assert cohort.train_cohort is trainer
+    assert len(runs["three"]["round_seconds"]) == 3
+    one, three = final(runs["one"]), final(runs["three"])
+    for key in one:
+        np.testing.assert_allclose(three[key], one[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    real = final(overhead.fast_run({**ov, "run-name": "real"}, 20))
+    assert max(float(np.abs(real[k] - three[k]).max()) for k in real) > 1e-3
