@@ -305,13 +305,27 @@ def test_sgd_step_is_the_optimizers_step_bit_for_bit(settings: dict) -> None:
     optimizer = torch.optim.SGD(a, lr=0.05, **settings)
     step, buffers = sgd_step(torch.optim.SGD(b, lr=0.05, **settings)), [None, None]
     for g in grads:
-        for p, gi in zip(a, g):
-            p.grad = gi.clone()
+        for p, q, gi in zip(a, b, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
         optimizer.step()
-        step(b, [gi.clone() for gi in g], buffers)
+        step(buffers)
         for p, q in zip(a, b):
             assert torch.equal(p, q)
     assert not torch.equal(a[0], start[0])
+
+
+def test_sgd_step_steps_only_the_optimizers_parameters_that_have_a_gradient() -> None:
+    """As ``step()``: a parameter without a gradient keeps its value and its
+    (missing) momentum buffer; the others step."""
+    a = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
+    b = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
+    optimizer = torch.optim.SGD(a, lr=0.1, momentum=0.9)
+    step, buffers = sgd_step(torch.optim.SGD(b, lr=0.1, momentum=0.9)), [None, None]
+    a[0].grad, b[0].grad = torch.ones(2), torch.ones(2)
+    optimizer.step()
+    step(buffers)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(b[1], torch.ones(2))
+    assert buffers[0] is not None and buffers[1] is None
 
 
 def test_sgd_step_leaves_other_optimizers_to_their_own_step() -> None:
@@ -339,6 +353,28 @@ def test_the_fast_step_is_the_autograd_and_optimizer_step_bit_for_bit(algo: str,
         for name in xf:
             for key in xf[name]:
                 assert torch.equal(torch.from_numpy(xf[name][key].numpy()), torch.from_numpy(xs[name][key].numpy()))
+
+
+def test_a_subclass_that_changes_forward_is_not_batched_as_its_parent() -> None:
+    """An MLP subclass with its own ``forward``: the chain's batched methods
+    would compute the parent's network, so the trainer takes ``vmap`` and
+    autograd, and the batched round still equals the per-client round."""
+    from fedaccel.clients.cohort import batched_loss_and_grads, own_batched
+    from fedaccel.models.nets import MLP
+
+    class Doubled(MLP):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model = Doubled(6, 3)
+    assert not model.chain_is_forward() and MLP(6, 3).chain_is_forward()
+    assert own_batched(model, "batched_forward") is None
+    assert batched_loss_and_grads(model).__name__ == "through_autograd"
+    cfg = run_cfg("fedavg", **{"batch-size": 16, "momentum": 0.9})
+    datas = clients([11, 3, 20])
+    states = [ContextState(RecordDict()) for _ in datas]
+    assert_same_round(per_client_round(cfg, model, datas, states, 1), cohort_round(cfg, model, datas, states, 1))
 
 
 def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, capsys) -> None:

@@ -108,7 +108,7 @@ def slower_reason(model: torch.nn.Module) -> str | None:
     10 clients per round: 5.38 s against 4.08 s per round for a bare loop,
     docs/cohort-batching.md). On a GPU it is the other way round."""
     device = next(model.parameters()).device
-    if device.type == "cpu" and getattr(model, "batched_forward", None) is None:
+    if device.type == "cpu" and own_batched(model, "batched_forward") is None:
         return ("on a CPU this model's batched convolutions (vmap) are slower than training its "
                 "clients one after another; cohort-batching='on' batches it anyway")
     return None
@@ -157,10 +157,21 @@ def batched_forward(model: torch.nn.Module) -> Callable[[dict[str, torch.Tensor]
     (the MLPs of :mod:`fedaccel.models.nets`: one ``baddbmm`` per layer),
     else ``vmap(functional_call(model, ...))`` (any model, with torch.func's
     per-operation overhead: about 1 ms per step on a CPU)."""
-    own = getattr(model, "batched_forward", None)
+    own = own_batched(model, "batched_forward")
     if own is not None:
         return own
     return vmap(lambda params, x: functional_call(model, params, (x,)))
+
+
+def own_batched(model: torch.nn.Module, name: str) -> Callable | None:
+    """The model's own batched method ``name``, or None when it has none or
+    when it would not compute this model (a subclass of an MLP that changes
+    its ``forward``: :meth:`fedaccel.models.nets.LinearChain.chain_is_forward`)."""
+    own = getattr(model, name, None)
+    consistent = getattr(model, "chain_is_forward", None)
+    if own is None or (consistent is not None and not consistent()):
+        return None
+    return own
 
 
 @dataclass
@@ -253,6 +264,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             still -= 1
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still)
+            step = sgd_step(optimizer)
             buffers = [None if b is None else b[:still] for b in buffers]
             composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
@@ -270,7 +282,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         if step is None:
             optimizer.step()
         else:
-            step(holder, [p.grad for p in holder], buffers)
+            step(buffers)
         step_losses[t, :active] = losses
     loss_sum, seen = (step_losses * counts).sum(dim=0), counts.sum(dim=0)
     trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
@@ -303,7 +315,7 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     losses through :func:`batched_forward`: the clients' weights are
     disjoint, so it gives each client the gradient of its own."""
     names = [n for n, _ in model.named_parameters()]
-    own = getattr(model, "batched_loss_and_grads", None)
+    own = own_batched(model, "batched_loss_and_grads")
     if own is not None:
         def written_out(params, x, y, real, count):
             grads, losses = own(dict(zip(names, params)), x, y, real, count)
@@ -321,12 +333,13 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     return through_autograd
 
 
-def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list, list, list], None] | None:
+def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list], None] | None:
     """``optimizer.step()``'s arithmetic without its wrapper, for a plain
-    ``torch.optim.SGD`` of one parameter group: ``step(params, grads,
-    buffers)`` calls torch's public functional form ``torch.optim.sgd.sgd``
-    with the group's settings, exactly as ``step()`` does (same kernels, same
-    weights bit for bit), keeping the momentum buffers in ``buffers``
+    ``torch.optim.SGD`` of one parameter group: ``step(buffers)`` calls
+    torch's public functional form ``torch.optim.sgd.sgd`` on the group's
+    parameters that have a gradient, with the group's settings, exactly as
+    ``step()`` does (same kernels, same weights bit for bit). ``buffers``,
+    aligned with the group's parameters, holds their momentum buffers
     (``None`` until the first step, as in the optimizer's state).
 
     What it skips is ``step()``'s bookkeeping: its profiler record, its step
@@ -337,15 +350,20 @@ def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list, list, list], N
     optimizer: None (the caller uses ``step()``)."""
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
         return None
-    group = dict(optimizer.param_groups[0])
+    group = optimizer.param_groups[0]
     settings = {k: group[k] for k in ("weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
                                       "foreach", "fused")}
     if isinstance(settings["lr"], torch.Tensor) or settings["fused"] or group.get("differentiable"):
         return None
+    params = group["params"]
 
-    def step(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor | None]) -> None:
+    def step(buffers: list[torch.Tensor | None]) -> None:
+        live = [i for i, p in enumerate(params) if p.grad is not None]  # as step() skips the others
+        bufs = [buffers[i] for i in live]
         with torch.no_grad():
-            functional_sgd([p.detach() for p in params], grads, buffers, **settings)
+            functional_sgd([params[i].detach() for i in live], [params[i].grad for i in live], bufs, **settings)
+        for i, b in zip(live, bufs):
+            buffers[i] = b
     return step
 
 

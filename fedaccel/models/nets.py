@@ -51,6 +51,19 @@ class LinearChain:
     chain: tuple[str, ...] = ()
 
     @classmethod
+    def chain_is_forward(cls) -> bool:
+        """Whether ``chain`` still describes this class's ``forward``: False for
+        a subclass that overrides ``forward`` (or the batched methods) below the
+        class that names the chain, whose batched methods would then compute
+        its parent's network; the cohort trainer then uses ``vmap`` and autograd."""
+        for klass in cls.__mro__:
+            if "chain" in vars(klass):
+                return True
+            if {"forward", "batched_forward", "batched_loss_and_grads", "_activations"} & set(vars(klass)):
+                return False
+        return False
+
+    @classmethod
     def _activations(cls, p: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's input, feature-major ``[C, features, B]``, then the logits ``[C, classes, B]``."""
         acts = [features_first(x)]
