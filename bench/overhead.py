@@ -15,7 +15,7 @@ For each workload and algorithm, one invocation times, on this machine:
 (b'') ``no-steps``: the batched runner with the local steps taken out (every client replies
     the weights it received): what a batched round costs beyond its steps, the per-client
     framework work (messages, records, state, the server's checks and aggregation), which
-    no faster step can remove;
+    no faster step can remove (FedPM's FOOF pass before the steps still runs);
 (c) ``ray``: ``flwr run .`` on Flower's Ray simulation engine (a private local SuperLink,
     started cold for every run, 1 CPU per client), one node per client;
 (c') ``ray-cohort``: the same with cohort nodes: ``--cohort-nodes`` nodes (default 2, one
