@@ -359,6 +359,8 @@ def test_ctrl_c_of_a_sweep_stops_its_running_flower_cell(flwr_env, tmp_path):
 
     import yaml
 
+    from fedaccel.processes import SIGINT_STOPS_ENV
+
     study = {"name": "stopped", "results-dir": str(tmp_path / "sweeps"), "num-clients": NUM_CLIENTS,
              "base": {"num-server-rounds": 500, "clients-per-round": 3, "local-epochs": 1, "accl-every": 0,
                       "synthetic": {"max-samples": 120}},
@@ -367,9 +369,11 @@ def test_ctrl_c_of_a_sweep_stops_its_running_flower_cell(flwr_env, tmp_path):
     path.write_text(yaml.safe_dump(study))
     subprocess.run([sys.executable, "-m", "fedaccel.federations", "size", "local-simulation", str(NUM_CLIENTS)],
                    env=flwr_env, check=True, capture_output=True)
+    # as the dashboard starts a sweep: in its own session, told that SIGINT stops it (a
+    # test run that is itself a script's background job would pass SIGINT on as ignored)
     sweep = subprocess.Popen([sys.executable, "-m", "fedaccel.sweep", str(path), "--federation", "local-simulation"],
-                             env=flwr_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             env={**flwr_env, SIGINT_STOPS_ENV: "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = tmp_path / "sweeps" / "stopped" / "cells" / "algo=fedavg,seed=0" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 300
