@@ -302,15 +302,18 @@ def test_sgd_step_is_the_optimizers_step_bit_for_bit(settings: dict) -> None:
     grads = [[torch.randn_like(w) for w in start] for _ in range(4)]
     a = [torch.nn.Parameter(w.clone()) for w in start]
     b = [torch.nn.Parameter(w.clone()) for w in start]
-    optimizer = torch.optim.SGD(a, lr=0.05, **settings)
-    step, buffers = sgd_step(torch.optim.SGD(b, lr=0.05, **settings)), [None, None]
+    optimizer, fast = torch.optim.SGD(a, lr=0.05, **settings), torch.optim.SGD(b, lr=0.05, **settings)
+    step = sgd_step(fast)
     for g in grads:
         for p, q, gi in zip(a, b, g):
             p.grad, q.grad = gi.clone(), gi.clone()
         optimizer.step()
-        step(buffers)
+        step()
         for p, q in zip(a, b):
             assert torch.equal(p, q)
+            assert set(optimizer.state[p]) == set(fast.state[q])  # the momentum buffer, where step() keeps one
+            if "momentum_buffer" in optimizer.state[p]:
+                assert torch.equal(optimizer.state[p]["momentum_buffer"], fast.state[q]["momentum_buffer"])
     assert not torch.equal(a[0], start[0])
 
 
@@ -319,13 +322,13 @@ def test_sgd_step_steps_only_the_optimizers_parameters_that_have_a_gradient() ->
     (missing) momentum buffer; the others step."""
     a = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
     b = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
-    optimizer = torch.optim.SGD(a, lr=0.1, momentum=0.9)
-    step, buffers = sgd_step(torch.optim.SGD(b, lr=0.1, momentum=0.9)), [None, None]
+    optimizer, fast = torch.optim.SGD(a, lr=0.1, momentum=0.9), torch.optim.SGD(b, lr=0.1, momentum=0.9)
+    step = sgd_step(fast)
     a[0].grad, b[0].grad = torch.ones(2), torch.ones(2)
     optimizer.step()
-    step(buffers)
+    step()
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(b[1], torch.ones(2))
-    assert buffers[0] is not None and buffers[1] is None
+    assert "momentum_buffer" in fast.state[b[0]] and "momentum_buffer" not in fast.state[b[1]]
 
 
 def test_sgd_step_leaves_other_optimizers_to_their_own_step() -> None:

@@ -249,8 +249,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     weights = [torch.stack([m.start[i] for m in cohort]) for i in range(len(names))]
     holder = [torch.nn.Parameter(w) for w in weights]
     optimizer = template.make_optimizer(_Stacked(holder), lr)
-    step = sgd_step(optimizer)
-    buffers: list[torch.Tensor | None] = [None] * len(holder)  # SGD's momentum, stacked like the weights
+    step = sgd_step(optimizer) or optimizer.step
     cfg = template.cfg
     composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
     clip_norm = float(getattr(cfg, "clip_norm", 0.0))
@@ -264,8 +263,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             still -= 1
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still)
-            step = sgd_step(optimizer)
-            buffers = [None if b is None else b[:still] for b in buffers]
+            step = sgd_step(optimizer) or optimizer.step
             composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
@@ -279,10 +277,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             transform()
         if clip_norm > 0:
             clip_grad_norm_per_client(holder, clip_norm)
-        if step is None:
-            optimizer.step()
-        else:
-            step(buffers)
+        step()
         step_losses[t, :active] = losses
     loss_sum, seen = (step_losses * counts).sum(dim=0), counts.sum(dim=0)
     trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
@@ -333,17 +328,16 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     return through_autograd
 
 
-def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list], None] | None:
+def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
     """``optimizer.step()``'s arithmetic without its wrapper, for a plain
-    ``torch.optim.SGD`` of one parameter group: ``step(buffers)`` calls
-    torch's public functional form ``torch.optim.sgd.sgd`` on the group's
-    parameters that have a gradient, with the group's settings, exactly as
-    ``step()`` does (same kernels, same weights bit for bit). ``buffers``,
-    aligned with the group's parameters, holds their momentum buffers
-    (``None`` until the first step, as in the optimizer's state).
+    ``torch.optim.SGD`` of one parameter group: ``step()`` calls torch's
+    public functional form ``torch.optim.sgd.sgd`` on the group's parameters
+    that have a gradient, with the group's settings and the momentum buffers
+    of the optimizer's own state, exactly as ``step()`` does (same kernels,
+    same weights bit for bit, the same buffers left in ``optimizer.state``).
 
     What it skips is ``step()``'s bookkeeping: its profiler record, its step
-    hooks and the per-step state dict (30-40 us a step, more than SGD's
+    hooks and its per-group setup (30-40 us a step, more than SGD's
     arithmetic on a small model). The cohort trainer builds this optimizer
     itself and registers no hooks on it; torch's global optimizer hooks
     (``register_optimizer_step_pre_hook``) are not called for it. Any other
@@ -355,15 +349,16 @@ def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[list], None] | None:
                                       "foreach", "fused")}
     if isinstance(settings["lr"], torch.Tensor) or settings["fused"] or group.get("differentiable"):
         return None
-    params = group["params"]
+    params, state = group["params"], optimizer.state
 
-    def step(buffers: list[torch.Tensor | None]) -> None:
-        live = [i for i, p in enumerate(params) if p.grad is not None]  # as step() skips the others
-        bufs = [buffers[i] for i in live]
+    def step() -> None:
+        live = [p for p in params if p.grad is not None]  # as step() skips the others
+        buffers = [state[p].get("momentum_buffer") for p in live]
         with torch.no_grad():
-            functional_sgd([params[i].detach() for i in live], [params[i].grad for i in live], bufs, **settings)
-        for i, b in zip(live, bufs):
-            buffers[i] = b
+            functional_sgd([p.detach() for p in live], [p.grad for p in live], buffers, **settings)
+        if settings["momentum"] != 0:  # as step() keeps them
+            for p, buffer in zip(live, buffers):
+                state[p]["momentum_buffer"] = buffer
     return step
 
 
