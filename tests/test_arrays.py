@@ -8,7 +8,10 @@ import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedaccel.arrays import from_numpy, from_tensor, record_to_tensors, tensors_to_record, to_numpy
+import fedaccel.arrays as arrays_module
+from fedaccel.arrays import (arrays_to_record, from_numpy, from_tensor, record_to_tensors, tensors_to_record,
+                             to_numpy)
+from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
 from fedaccel.strategies.server_steps import weighted_mean_of_replies
 
 SAMPLES = [
@@ -32,6 +35,47 @@ def test_from_numpy_writes_the_bytes_flower_writes_and_to_numpy_reads_them(value
     assert back.dtype == values.dtype and back.shape == values.shape
     np.testing.assert_array_equal(back, values)
     np.testing.assert_array_equal(back, flowers.numpy())
+    # the whole object, not only its fields: what Flower's constructor leaves
+    assert type(ours) is Array and ours.__dict__ == flowers.__dict__
+    assert ours.object_id == flowers.object_id  # the content hash Flower's transport uses
+
+
+def test_a_record_filled_directly_is_the_record_flowers_setitem_builds():
+    arrays = [(f"k{i}", from_numpy(v)) for i, v in enumerate(SAMPLES)]
+    ours = arrays_to_record(arrays)
+    flowers = ArrayRecord()
+    for key, array in arrays:
+        flowers[key] = array
+    assert ours.__dict__ == flowers.__dict__ and list(ours.keys()) == [k for k, _ in arrays]
+    assert ours.object_id == flowers.object_id
+    # and it travels: Flower's protobuf round trip gives the same record back
+    back = record_dict_from_bytes(record_dict_bytes(RecordDict({"arrays": ours})))["arrays"]
+    assert list(back.keys()) == list(ours.keys())
+    for key in ours:
+        assert back[key].__dict__["data"] == ours[key].data
+
+
+@pytest.mark.parametrize("key, value", [(3, "array"), ("a", np.ones(2))])
+def test_a_record_filled_directly_refuses_what_flower_refuses(key, value):
+    value = from_numpy(np.ones(2)) if isinstance(value, str) else value
+    with pytest.raises(TypeError) as ours:
+        arrays_to_record([(key, value)])
+    with pytest.raises(TypeError) as flowers:
+        ArrayRecord()[key] = value
+    assert str(ours.value) == str(flowers.value)
+
+
+def test_filling_is_checked_against_flowers_constructors(monkeypatch):
+    """The direct filling is used only where it equals the constructors: an
+    Array whose constructor leaves another field makes the check fail."""
+    assert arrays_module._filling_matches()
+    original = Array.__init__
+
+    def with_extra_field(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.__dict__["_new_in_some_version"] = 1
+    monkeypatch.setattr(Array, "__init__", with_extra_field)
+    assert not arrays_module._filling_matches()
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():

@@ -69,7 +69,8 @@ from fedaccel.membership import Federation, NodeMembership
 from fedaccel.metrics import RoundLog, mean_client_accuracy
 from fedaccel.samplers import cohort as sample_partitions
 from fedaccel.torch_utils import derive_seed, payload_bytes
-from fedaccel.strategies.server_steps import weighted_mean_of_replies
+from fedaccel.strategies.server_steps import (check_reply_consistency, mean_metric_records,
+                                              weighted_mean_of_replies)
 
 
 class FedAccelStrategy:
@@ -97,6 +98,7 @@ class FedAccelStrategy:
 
     def __init__(self, *, run_cfg: RunConfig, federation: Federation, **kwargs: Any) -> None:
         kwargs.setdefault("evaluate_metrics_aggr_fn", mean_client_accuracy)
+        kwargs.setdefault("train_metrics_aggr_fn", mean_metric_records)  # Flower's default, faster
         super().__init__(  # type: ignore[call-arg]
             fraction_train=1.0,
             fraction_evaluate=1.0,
@@ -195,10 +197,14 @@ class FedAccelStrategy:
         ``c``, FedDyn's ``h``) must use every reply it is given and return a
         model: the replies passed here are the ones recorded as applied
         (``accepted_round``), which clients then commit."""
-        valid, _ = self._check_and_log_replies(replies, is_train=True)  # type: ignore[attr-defined]
-        if not valid:
+        # Flower's FedAvg.aggregate_train, on plain reads of the replies
+        # (server_steps: check_reply_consistency, mean_metric_records); the
+        # replies given here have no errors (aggregate_train sorted them out)
+        if not replies:
             return None, None
-        contents = [m.content for m in valid]
+        log(INFO, "aggregate_train: Received %s results and %s failures", len(replies), 0)
+        contents = [m.content for m in replies]
+        check_reply_consistency(contents, self.weighted_by_key)  # type: ignore[attr-defined]
         arrays = weighted_mean_of_replies(contents, self.weighted_by_key)  # type: ignore[attr-defined]
         return arrays, self.train_metrics_aggr_fn(contents, self.weighted_by_key)  # type: ignore[attr-defined]
 

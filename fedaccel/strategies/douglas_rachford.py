@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel.clients.douglas_rachford import server_step
 from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import require
 from fedaccel.strategies.base import FedAccelStrategy
+from fedaccel.strategies.server_steps import reply_metrics
 
 PROX_STARTS = ("server", "local")
 # gc.mode global/hybrid is refused for the DR methods (the registry's reason):
@@ -86,5 +86,5 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
                 g_sum[k] += v
         n = self.federation.num_clients
         new = numpy_to_record({k: np.asarray(server_step(v, g_sum[k], n)) for k, v in x.items()})
-        metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
+        metrics = reply_metrics(replies, self.weighted_by_key)
         return new, metrics

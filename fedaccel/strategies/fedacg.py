@@ -35,13 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel.clients.fedacg import FedACGSolver
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
-from fedaccel.strategies.server_steps import WEIGHTINGS, mean_of_replies
+from fedaccel.strategies.server_steps import WEIGHTINGS, mean_of_replies, reply_metrics
 
 @dataclass(frozen=True)
 class FedACGParams:
@@ -95,7 +94,7 @@ class FedACGStrategy(FedAccelStrategy, FedAvg):
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The ``weighting`` mean of the clients' models (``b + Delta^t``)."""
         mean = mean_of_replies(replies, self.params.weighting, self.weighted_by_key)
-        return mean, aggregate_metricrecords([m.content for m in replies], self.weighted_by_key)
+        return mean, reply_metrics(replies, self.weighted_by_key)
 
     def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
         """``m^t = lam m^{t-1} + Delta^t``, ``theta^t = theta^{t-1} + m^t`` with

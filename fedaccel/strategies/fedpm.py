@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel.clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_mode
 from fedaccel.arrays import numpy_to_record, record_to_numpy
@@ -28,6 +27,7 @@ from fedaccel.errors import RoundFailedError
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
 from fedaccel.strategies.preconditioned_mixing import preconditioned_mix
+from fedaccel.strategies.server_steps import reply_metrics
 
 
 class FedPMStrategy(FedAccelStrategy, FedAvg):
@@ -58,7 +58,7 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
                 f"(second-order steps need a smaller one at strong heterogeneity) or raise "
                 f"{self.run_cfg.algo}.damping") from None
         new = numpy_to_record(mixed)
-        metrics = aggregate_metricrecords([r.content for r in replies], self.weighted_by_key)
+        metrics = reply_metrics(replies, self.weighted_by_key)
         return new, metrics
 
 

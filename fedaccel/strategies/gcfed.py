@@ -29,13 +29,12 @@ from typing import ClassVar
 
 from flwr.app import Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedaccel.clients.fedavg import FedAvgSolver
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
-from fedaccel.strategies.server_steps import WEIGHTINGS, mean_of_replies
+from fedaccel.strategies.server_steps import WEIGHTINGS, mean_of_replies, reply_metrics
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class GCFedStrategy(FedAccelStrategy, FedAvg):
         if self.run_cfg.algo_params.weighting == "examples":
             return super().combine(server_round, replies)
         mean = mean_of_replies(replies, "uniform", self.weighted_by_key)
-        return mean, aggregate_metricrecords([m.content for m in replies], self.weighted_by_key)
+        return mean, reply_metrics(replies, self.weighted_by_key)
 
 
 def build(cfg: RunConfig, federation: Federation) -> GCFedStrategy:
