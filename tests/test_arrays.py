@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 import fedaccel.arrays as arrays_module
@@ -65,6 +65,33 @@ def test_a_record_filled_directly_refuses_what_flower_refuses(key, value):
     assert str(ours.value) == str(flowers.value)
 
 
+@pytest.mark.parametrize("build, cls, values", [
+    ("metric_record", MetricRecord, {"num-examples": 12, "train-loss": 0.25}),
+    ("metric_record", MetricRecord, {"curve": [0.5, 0.25], "n": 3}),  # a list: the constructor's path
+    ("metric_record", MetricRecord, {"x": np.float64(0.5)}),  # a NumPy scalar: the constructor's path
+    ("config_record", ConfigRecord, {"lr": 0.1, "name": "x", "flag": True, "blob": b"ab", "epochs": 2}),
+    ("config_record", ConfigRecord, {"layout": "[]", "sizes": [1, 2]}),
+])
+def test_scalar_records_are_the_records_flowers_constructors_build(build, cls, values):
+    ours = getattr(arrays_module, build)(values)
+    assert type(ours) is cls and ours.__dict__ == cls(dict(values)).__dict__
+    assert ours.object_id == cls(dict(values)).object_id
+
+
+@pytest.mark.parametrize("build, cls, values", [
+    ("metric_record", MetricRecord, {"ok": 1, "flag": True}),  # MetricRecord refuses bool
+    ("metric_record", MetricRecord, {"name": "x"}),
+    ("config_record", ConfigRecord, {"obj": object()}),
+    ("config_record", ConfigRecord, {3: 1}),
+])
+def test_scalar_records_refuse_what_flower_refuses(build, cls, values):
+    with pytest.raises(TypeError) as ours:
+        getattr(arrays_module, build)(values)
+    with pytest.raises(TypeError) as flowers:
+        cls(dict(values))
+    assert str(ours.value) == str(flowers.value)
+
+
 def test_filling_is_checked_against_flowers_constructors(monkeypatch):
     """The direct filling is used only where it equals the constructors: an
     Array whose constructor leaves another field makes the check fail."""
@@ -75,6 +102,17 @@ def test_filling_is_checked_against_flowers_constructors(monkeypatch):
         original(self, *args, **kwargs)
         self.__dict__["_new_in_some_version"] = 1
     monkeypatch.setattr(Array, "__init__", with_extra_field)
+    assert not arrays_module._filling_matches()
+    monkeypatch.undo()
+    assert arrays_module._filling_matches()
+    # records start from their own empty constructor, so what matters there is
+    # a field their __setitem__ would set (as ArrayRecord's sets _is_dirty)
+    original_setitem = MetricRecord.__setitem__
+
+    def setitem_with_extra_field(self, key, value):
+        original_setitem(self, key, value)
+        self.__dict__["_new_in_some_version"] = 1
+    monkeypatch.setattr(MetricRecord, "__setitem__", setitem_with_extra_field)
     assert not arrays_module._filling_matches()
 
 

@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 from collections import OrderedDict
+from functools import lru_cache
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedaccel.arrays import arrays_to_record, from_tensor, records_of, to_numpy
+from fedaccel.arrays import arrays_to_record, config_record, from_tensor, records_of, to_numpy
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -213,7 +214,7 @@ class ContextState(VersionedState):
         key = f"fedaccel.v{version}.{name}"
         if key not in self.record:
             return None
-        layout = json.loads(str(self.record[f"{key}.layout"]["layout"]))  # type: ignore[index]
+        layout = _parsed_layout(str(self.record[f"{key}.layout"]["layout"]))  # type: ignore[index]
         pieces = {}
         for dtype, array in self.record[key].items():  # type: ignore[union-attr]
             flat = torch.from_numpy(to_numpy(array).copy()).to(device)
@@ -228,13 +229,13 @@ class ContextState(VersionedState):
         groups: dict[str, list[torch.Tensor]] = {}
         layout = []
         for k, v in tensors.items():
-            dtype = str(v.dtype).removeprefix("torch.")
+            dtype = _dtype_name(v.dtype)
             groups.setdefault(dtype, []).append(v.detach().reshape(-1))
-            layout.append([k, dtype, list(v.shape)])
+            layout.append((k, dtype, tuple(v.shape)))
         key = f"fedaccel.v{version}.{name}"
         self.record[key] = arrays_to_record(
             (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items())
-        self.record[f"{key}.layout"] = ConfigRecord({"layout": json.dumps(layout)})
+        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(tuple(layout))})
 
     def _drop(self, version: int) -> None:
         prefix = f"fedaccel.v{version}."
@@ -247,11 +248,33 @@ class ContextState(VersionedState):
     def _tags(self) -> tuple[int, int]:
         if self.TAGS not in self.record:
             return 0, 0
-        tags = records_of(self.record, ConfigRecord)[self.TAGS]
-        return int(tags["committed"]), int(tags["latest"])
+        tags = self.record[self.TAGS]
+        return int(tags["committed"]), int(tags["latest"])  # type: ignore[arg-type]
 
     def _save_tags(self, committed: int, latest: int) -> None:
-        self.record[self.TAGS] = ConfigRecord({"committed": committed, "latest": latest})
+        if self.TAGS in self.record and self._tags() == (committed, latest):
+            return  # unchanged (a client that was already resolved)
+        self.record[self.TAGS] = config_record({"committed": committed, "latest": latest})
+
+
+# A client's layout is the same in every round and for every client of a run:
+# its JSON text is made, and read back, once per process.
+@lru_cache(maxsize=256)
+def _layout_text(layout: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str:
+    """The layout as stored: ``[[key, dtype, [shape...]], ...]`` in JSON."""
+    return json.dumps([[k, dtype, list(shape)] for k, dtype, shape in layout])
+
+
+@lru_cache(maxsize=256)
+def _parsed_layout(text: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """:func:`_layout_text` read back."""
+    return tuple((str(k), str(dtype), tuple(int(s) for s in shape)) for k, dtype, shape in json.loads(text))
+
+
+@lru_cache(maxsize=64)
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``'float32'`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
 
 
 class DiskState(VersionedState):

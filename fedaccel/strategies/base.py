@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedaccel.clients.composition import server_update_transforms
-from fedaccel.arrays import from_numpy, records_of, to_numpy
+from fedaccel.arrays import config_record, from_numpy, records_of, to_numpy
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
@@ -467,7 +467,7 @@ def _with_config(message: Message, updates: dict[str, Any]) -> Message:
     records = {k: v for k, v in content.items() if k != "config"}
     # content["config"], not content.config_records[...]: that builds a synced
     # view of every record (about 25 us a message)
-    records["config"] = ConfigRecord({**dict(content["config"]), **updates})
+    records["config"] = config_record({**dict(content["config"]), **updates})
     return Message(RecordDict(records), message.metadata.dst_node_id, message.metadata.message_type)
 
 
