@@ -153,10 +153,16 @@ def config_record(values: Mapping[str, object]) -> ConfigRecord:
 
 def _scalar_record(cls: type[T], scalars: frozenset[type], values: Mapping[str, object]) -> T:
     if _FILL_RECORDS and all(type(k) is str and type(v) in scalars for k, v in values.items()):
-        record = cls()
-        record.__dict__["_data"].update(values)  # type: ignore[attr-defined]
-        return record
+        return _filled_scalar_record(cls, values)
     return cls(dict(values))  # type: ignore[call-arg]
+
+
+def _filled_scalar_record(cls: type[T], values: Mapping[str, object]) -> T:
+    """``cls(dict(values))`` (a MetricRecord or ConfigRecord of checked
+    values), its dict filled directly."""
+    record = cls()
+    record.__dict__["_data"].update(values)  # type: ignore[attr-defined]
+    return record
 
 
 def _filling_matches() -> bool:
@@ -165,9 +171,7 @@ def _filling_matches() -> bool:
     try:
         scalars = {"i": 3, "f": 0.5}
         for cls, values in ((MetricRecord, scalars), (ConfigRecord, {**scalars, "s": "x", "b": True})):
-            filled = cls()
-            filled.__dict__["_data"].update(values)
-            if filled.__dict__ != cls(dict(values)).__dict__:
+            if _filled_scalar_record(cls, values).__dict__ != cls(dict(values)).__dict__:
                 return False
         data = b"".join((_npy_header("<f4", (2,)), np.arange(2, dtype=np.float32).view(np.uint8)))
         built, filled = _constructed_array("float32", (2,), data), _filled_array("float32", (2,), data)

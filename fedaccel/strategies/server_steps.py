@@ -98,7 +98,7 @@ def reply_metrics(replies: list[Message], weighted_by_key: str) -> MetricRecord:
 # time, a tenth of a batched round at 100 clients). The two functions below are
 # theirs, step for step, on plain reads of the records (:func:`records_of`):
 # the same arithmetic in the same order (bit-identical results), the same
-# exception with the same reason (tests/test_server_steps.py compares them).
+# exception with the same reason (tests/test_reply_aggregation.py compares them).
 
 def mean_metric_records(contents: list[RecordDict], weighted_by_key: str) -> MetricRecord:
     """Flower's ``aggregate_metricrecords``: the ``weighted_by_key``-weighted
@@ -119,7 +119,7 @@ def mean_metric_records(contents: list[RecordDict], weighted_by_key: str) -> Met
                     out[key] = [c + v * factor for c, v in zip(out[key], value, strict=True)]
                 else:
                     out[key] = out[key] + value * factor
-    return MetricRecord(out)
+    return arrays_codec.metric_record(out)
 
 
 def check_reply_consistency(contents: list[RecordDict], weighted_by_key: str, check_arrays: bool = True) -> None:
@@ -130,26 +130,14 @@ def check_reply_consistency(contents: list[RecordDict], weighted_by_key: str, ch
     if not contents:
         return
     if check_arrays:
-        array_records = [records_of(c, ArrayRecord) for c in contents]
-        if any(len(records) != 1 for records in array_records):
-            raise InconsistentMessageReplies(
-                reason="Expected exactly one ArrayRecord in replies. Skipping aggregation.")
-        name = next(iter(array_records[0]))
-        keys = set(contents[0][name].keys())
-        if any(set(c[name].keys() if name in c else {}) != keys for c in contents[1:]):
-            raise InconsistentMessageReplies(
-                reason="All ArrayRecords must have the same keys for aggregation. "
-                "This condition wasn't met. Skipping aggregation.")
-    metric_records = [records_of(c, MetricRecord) for c in contents]
-    if any(len(records) != 1 for records in metric_records):
-        raise InconsistentMessageReplies(
-            reason="Expected exactly one MetricRecord in replies, but found more. Skipping aggregation.")
-    name = next(iter(metric_records[0]))
-    keys = set(contents[0][name].keys())
-    if any(set(c[name].keys() if name in c else {}) != keys for c in contents[1:]):
-        raise InconsistentMessageReplies(
-            reason="All MetricRecords must have the same keys for aggregation. "
+        _one_record_with_same_keys(
+            contents, ArrayRecord, "Expected exactly one ArrayRecord in replies. Skipping aggregation.",
+            "All ArrayRecords must have the same keys for aggregation. "
             "This condition wasn't met. Skipping aggregation.")
+    name, keys = _one_record_with_same_keys(
+        contents, MetricRecord, "Expected exactly one MetricRecord in replies, but found more. Skipping aggregation.",
+        "All MetricRecords must have the same keys for aggregation. "
+        "This condition wasn't met. Skipping aggregation.")
     if weighted_by_key not in keys:
         raise InconsistentMessageReplies(
             reason=f"Missing required key `{weighted_by_key}` in the MetricRecord of "
@@ -160,6 +148,21 @@ def check_reply_consistency(contents: list[RecordDict], weighted_by_key: str, ch
             reason=f"Key `{weighted_by_key}` in the MetricRecord of reply messages "
             "must be a single value (int or float), but a list was found. Skipping "
             "aggregation.")
+
+
+def _one_record_with_same_keys(contents: list[RecordDict], kind: type, not_one: str,
+                               keys_differ: str) -> tuple[str, set[str]]:
+    """The name and keys of the one record of type ``kind`` in the first
+    reply, after checking that every reply has exactly one (else
+    ``InconsistentMessageReplies(not_one)``) and that every reply's record of
+    that name has the same keys (else ``keys_differ``)."""
+    if any(len(records_of(c, kind)) != 1 for c in contents):
+        raise InconsistentMessageReplies(reason=not_one)
+    name = next(iter(records_of(contents[0], kind)))
+    keys = set(contents[0][name].keys())
+    if any(set(c[name].keys() if name in c else {}) != keys for c in contents[1:]):
+        raise InconsistentMessageReplies(reason=keys_differ)
+    return name, keys
 
 
 class RelaxedAggregation:
