@@ -19,7 +19,8 @@ from fakes import run_cfg
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients import cohort as cohort_module
-from fedaccel.clients.cohort import CohortJob, batched_forward, fallback_reason, fit_cohort, sgd_step
+from fedaccel.clients.cohort import (CohortJob, batched_forward, fallback_reason, fit_cohort, loss_weights,
+                                     losses_from_label_log_probs, sgd_step)
 from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.models import build_model
@@ -176,6 +177,8 @@ def test_a_float64_cohort_is_batched_in_float64(algo: str, changes: dict) -> Non
         for p, q in zip(x, y):
             assert p.dtype == q.dtype == torch.float64
             torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-12)
+    for x, y in zip(expected[1], got[1]):  # the reported loss too, not rounded to float32 on the way
+        assert x["train-loss"] == pytest.approx(y["train-loss"], rel=1e-12)
     for extra in got[2]:
         for record in extra.values():
             assert all(a.dtype == "float64" for a in record.values()), record
@@ -284,12 +287,17 @@ def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, co
     out = models[0].batched_forward(dict(zip(names, params)), x)
     losses = (torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none") * real).sum(1) / count
     expected = torch.autograd.grad(losses.sum(), params)
-    grads, got_losses = models[0].batched_loss_and_grads(dict(zip(names, params)), x, y, real, count)
+    grads, label_log_probs = models[0].batched_loss_and_grads(dict(zip(names, params)), x, y,
+                                                              loss_weights(real, count, dtype))
     assert list(grads) != [] and set(grads) == set(names)
     for k, e in zip(names, expected):
         assert torch.equal(grads[k], e), k
         assert e.abs().sum() > 0, k  # a real gradient, not two zeros
-    assert torch.equal(got_losses, losses.detach())
+    assert torch.equal(losses_from_label_log_probs(label_log_probs, real, count), losses.detach())
+    # and the trainer's one reduction per round: all steps' losses at once equal each step's
+    stacked = losses_from_label_log_probs(torch.cat([label_log_probs, label_log_probs.flip(0)]),
+                                          torch.cat([real, real.flip(0)]), torch.cat([count, count.flip(0)]))
+    assert torch.equal(stacked, torch.cat([losses.detach(), losses.detach().flip(0)]))
 
 
 @pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},

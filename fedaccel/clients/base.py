@@ -241,7 +241,8 @@ class LocalSolver:
         clip_norm = float(getattr(self.cfg, "clip_norm", 0.0))
         params = [p for p in model.parameters() if p.requires_grad]
         n, bs = data.num_examples, self.cfg.batch_size
-        loss_sum = torch.zeros((), device=data.x.device)
+        # in the model's precision (a float64 run's loss is not rounded to float32)
+        loss_sum = torch.zeros((), device=data.x.device, dtype=params[0].dtype if params else torch.float32)
         seen, steps = 0, 0
         for _ in range(epochs):
             order = torch.randperm(n, generator=generator).to(data.x.device)

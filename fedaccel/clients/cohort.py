@@ -187,14 +187,18 @@ class CohortMember:
 
 
 def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Every client's mini-batches, in its own order.
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Every client's mini-batches, in its own order, step by step.
 
-    Returns ``index`` ``[T, C, B]`` into the concatenated data of all clients,
-    ``mask`` ``[T, C, B]`` (1 = a real sample), and each client's step count;
-    ``T`` is the largest step count. The permutations are drawn exactly as the
-    per-client loop draws them: one ``randperm`` per epoch from the client's
-    generator."""
+    ``members`` are sorted by step count, largest first, so the clients still
+    training at step ``t`` are the first ``active[t]``. Returns ``rows``
+    ``[K, B]``: step ``t``'s mini-batches are the next ``active[t]`` rows, one
+    per active client in cohort order, as indices into the concatenated data
+    of all clients; ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
+    epoch's last batch); ``active``; and each client's step count. ``K`` is the total number of client-steps, so no
+    row is gathered for a client that has left. The permutations are drawn
+    exactly as the per-client loop draws them: one ``randperm`` per epoch from
+    the client's generator."""
     steps = [epochs * math.ceil(m.data.num_examples / batch_size) for m in members]
     sizes = [m.data.num_examples for m in members]
     shape = (len(members), max(steps), batch_size)
@@ -208,10 +212,13 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
     real = plan >= 0
     offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)[:, None]  # where each client's data starts
     index = np.where(real, plan + offsets, 0)
-    # [C, T*B] -> [T, C, B]
-    index = torch.from_numpy(np.ascontiguousarray(index.reshape(shape).transpose(1, 0, 2)))
-    real = torch.from_numpy(np.ascontiguousarray(real.reshape(shape).transpose(1, 0, 2)))
-    return index.to(device), real.float().to(device), steps
+    # [C, T*B] -> [T, C, B], then only the (step, client) pairs that train: t-major, cohort order
+    active = (np.asarray(steps)[None, :] > np.arange(shape[1])[:, None]).sum(axis=1)  # [T]
+    training = np.arange(shape[0])[None, :] < active[:, None]  # [T, C]
+    index = index.reshape(shape).transpose(1, 0, 2)[training]
+    real = real.reshape(shape).transpose(1, 0, 2)[training]
+    return (torch.from_numpy(np.ascontiguousarray(index)).to(device),
+            torch.from_numpy(np.ascontiguousarray(real)).float().to(device), active.tolist(), steps)
 
 
 class _Stacked:
@@ -239,9 +246,13 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     order = sorted(range(len(members)), key=lambda c: -members[c].data.num_examples)
     cohort = [members[c] for c in order]
     template = cohort[0].solver  # scalars of the rule and the optimizer: the same for all
-    index, mask, steps = _batch_plan(cohort, epochs, batch_size, device)
-    x_all = torch.cat([m.data.x for m in cohort])
-    y_all = torch.cat([m.data.y for m in cohort])
+    rows, real, active_per_step, steps = _batch_plan(cohort, epochs, batch_size, device)
+    starts = np.cumsum([0, *active_per_step[:-1]]).tolist()
+    # every step's mini-batches gathered at once, in step order
+    flat_rows = rows.view(-1)
+    x_steps = torch.cat([m.data.x for m in cohort]).index_select(0, flat_rows)
+    x_steps = x_steps.view(rows.shape + x_steps.shape[1:])  # [K, B, ...]
+    y_steps = torch.cat([m.data.y for m in cohort]).index_select(0, flat_rows).view(rows.shape)
     names = [n for n, _ in model.named_parameters()]
     grads_of = batched_loss_and_grads(model)
     own = [m.solver.step_tensors() for m in cohort]
@@ -256,11 +267,12 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     cfg = template.cfg
     composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
     clip_norm = float(getattr(cfg, "clip_norm", 0.0))
-    counts = mask.sum(dim=2)  # [T, C]: each client's real samples per step
-    step_losses = torch.zeros_like(counts)  # each client's mini-batch loss per step (0 once it has left)
+    counts = real.sum(dim=1)  # [K]: each client's real samples per step
+    sample_weight = loss_weights(real, counts, weights[0].dtype)  # every step's at once
+    label_log_probs = []
     active = len(cohort)
     plain_rule = not template.edits_gradients()
-    for t in range(index.shape[0]):
+    for t, start in enumerate(starts):
         still = active
         while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
             still -= 1
@@ -270,8 +282,8 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             composed = client_gradient_transforms(cfg, model, optimizer, holder, leading=1)
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
-        idx, real = index[t, :active], mask[t, :active]
-        grads, losses = grads_of(holder, x_all[idx], y_all[idx], real, counts[t, :active])
+        end = start + active
+        grads, log_probs = grads_of(holder, x_steps[start:end], y_steps[start:end], sample_weight[start:end])
         for p, g in zip(holder, grads):
             p.grad = g
         if not plain_rule:  # the solver's own rule, on every client at once
@@ -281,9 +293,16 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
         if clip_norm > 0:
             clip_grad_norm_per_client(holder, clip_norm)
         step()
-        step_losses[t, :active] = losses
-    loss_sum, seen = (step_losses * counts).sum(dim=0), counts.sum(dim=0)
-    trained = [[w[c].clone() for w in weights] for c in range(len(cohort))]
+        label_log_probs.append(log_probs)
+    # [T, C] tables of each client's mini-batch loss and real samples per step (0 once it has left)
+    training = (torch.arange(len(cohort), device=device)[None, :]
+                < torch.tensor(active_per_step, device=device)[:, None])
+    losses = losses_from_label_log_probs(torch.cat(label_log_probs), real, counts)  # [K], in the run's precision
+    step_losses = losses.new_zeros(training.shape).masked_scatter_(training, losses)
+    step_counts = counts.new_zeros(training.shape).masked_scatter_(training, counts)
+    loss_sum, seen = (step_losses * step_counts).sum(dim=0), step_counts.sum(dim=0)
+    # views of the stacked weights (nothing writes to them after the last step)
+    trained = [[w[c] for w in weights] for c in range(len(cohort))]
     for key in template.accumulators:  # the rule's running sums, back to each client
         for c, o in enumerate(own):
             for i, v in enumerate(stacked[key]):
@@ -297,15 +316,17 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     return weights_out, metrics_out
 
 
-GradsOf = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+GradsOf = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor],
                    tuple[tuple[torch.Tensor, ...], torch.Tensor]]
 
 
 def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
-    """``grads_of(params, x, y, real, count)``: every client's gradient of its
+    """``grads_of(params, x, y, weight)``: every client's gradient of its
     mean loss over its real samples (``params`` stacked in
-    ``model.parameters()`` order, ``x`` ``[C, B, ...]``, ``real`` ``[C, B]``,
-    ``count = real.sum(1)``), and those losses ``[C]``.
+    ``model.parameters()`` order, ``x`` ``[C, B, ...]``, ``y`` ``[C, B]``,
+    ``weight`` ``[C, B]`` from :func:`loss_weights`), and each sample's
+    log-probability of its label ``[C, B]`` (:func:`losses_from_label_log_probs`
+    turns them into the losses).
 
     The model's own ``batched_loss_and_grads`` when it has one (the MLPs of
     :mod:`fedaccel.models.nets`: the backward pass written out, bit for bit
@@ -315,20 +336,39 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     names = [n for n, _ in model.named_parameters()]
     own = own_batched(model, "batched_loss_and_grads")
     if own is not None:
-        def written_out(params, x, y, real, count):
-            grads, losses = own(dict(zip(names, params)), x, y, real, count)
-            return tuple(grads[n] for n in names), losses
+        def written_out(params, x, y, weight):
+            grads, label_log_probs = own(dict(zip(names, params)), x, y, weight)
+            return tuple(grads[n] for n in names), label_log_probs
         return written_out
     forward = batched_forward(model)
 
-    def through_autograd(params, x, y, real, count):
+    def through_autograd(params, x, y, weight):
         out = forward(dict(zip(names, params)), x)  # [C, B, classes]
         # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
         # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
         ce = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
-        losses = (ce * real).sum(dim=1) / count  # count = real.sum(dim=1), taken once per round
-        return torch.autograd.grad(losses.sum(), params), losses.detach()
+        # d/d ce of the sum of the clients' mean losses is `weight`, as for
+        # ((ce * real).sum(1) / count).sum()
+        return torch.autograd.grad((ce * weight).sum(), params), -ce.detach()
     return through_autograd
+
+
+def loss_weights(real: torch.Tensor, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``d(sum of losses) / d(each sample's loss)`` for ``losses = (ce *
+    real).sum(1) / count`` (``real`` ``[..., B]``, ``count = real.sum(-1)``),
+    formed as autograd forms it: ``(1 / count)`` in the loss's ``dtype``,
+    broadcast over the batch, times ``real``. Elementwise, so a round's
+    weights for all its steps at once equal each step's own."""
+    return (torch.ones(count.shape, dtype=dtype, device=count.device) / count).unsqueeze(-1) * real
+
+
+def losses_from_label_log_probs(label_log_probs: torch.Tensor, real: torch.Tensor,
+                                count: torch.Tensor) -> torch.Tensor:
+    """Each mini-batch's mean cross-entropy over its real samples, from
+    :meth:`fedaccel.models.nets.LinearChain.batched_loss_and_grads`'s log-probabilities:
+    ``(nll_loss(..., 'none') * real).sum(-1) / count`` (``nll_loss`` is the
+    negated log-probability at the label, exactly)."""
+    return ((-label_log_probs) * real).sum(dim=-1) / count
 
 
 def sgd_step(optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
