@@ -25,6 +25,7 @@ from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_stat
 from fedaccel.clients.state import state_run_dir
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import USER_ERRORS, CheckpointError, FederationError, ResultsDirError
+from fedaccel.heap import quiet_collector
 from fedaccel.memory import require_memory
 from fedaccel.processes import raise_if_stop_requested
 from fedaccel.registry import get_algorithm
@@ -230,14 +231,15 @@ class Experiment:
                       f"{self.cfg.num_server_rounds} from its checkpoint", flush=True)
         else:
             initial, first_round = self.strategy.initial_model(state_to_arrays(self.model)), 1
-        result = self.strategy.start(
-            grid=grid,
-            initial_arrays=initial,
-            num_rounds=self.cfg.num_server_rounds,
-            timeout=self.cfg.round_timeout,
-            evaluate_fn=self.on_round_end,
-            first_round=first_round,
-        )
+        with quiet_collector():  # full collections would walk every object of the set-up, every few rounds
+            result = self.strategy.start(
+                grid=grid,
+                initial_arrays=initial,
+                num_rounds=self.cfg.num_server_rounds,
+                timeout=self.cfg.round_timeout,
+                evaluate_fn=self.on_round_end,
+                first_round=first_round,
+            )
         self.strategy.client_errors.report_repeats()  # after the last round, evaluated or not
         final = result.arrays if len(result.arrays) else initial
         np.savez(self.run_dir / "final_model.npz", **{k: a.numpy() for k, a in final.items()})

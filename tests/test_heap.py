@@ -1,0 +1,74 @@
+"""The collector settings around the rounds (fedaccel/heap.py)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+from fedaccel.heap import YOUNG_THRESHOLD, quiet_collector
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_sets_and_restores_the_collector():
+    before = gc.get_threshold()
+    frozen_before = gc.get_freeze_count()
+    with quiet_collector():
+        assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
+        assert gc.get_threshold()[1:] == before[1:]
+        assert gc.get_freeze_count() > frozen_before
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == frozen_before
+
+
+def test_restores_after_an_exception():
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        with quiet_collector():
+            raise RuntimeError("a failing round")
+    except RuntimeError:
+        pass
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
+
+
+def test_cycles_made_inside_are_still_collected_and_frozen_ones_after():
+    old = Node()
+    old_ref = weakref.ref(old)
+    del old  # garbage already, but only a collection frees it
+    with quiet_collector():
+        new = Node()
+        new_ref = weakref.ref(new)
+        del new
+        gc.collect()
+        assert new_ref() is None  # made during the rounds: collected
+        assert old_ref() is not None  # alive when the rounds began: frozen, not walked
+    gc.collect()
+    assert old_ref() is None  # unfrozen on exit: collected again
+
+
+def test_nested_and_concurrent_blocks_act_once():
+    before, frozen_before = gc.get_threshold(), gc.get_freeze_count()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other_experiment():
+        with quiet_collector():
+            inside.set()
+            leave.wait(timeout=30)
+
+    with quiet_collector():
+        worker = threading.Thread(target=other_experiment)
+        worker.start()
+        assert inside.wait(timeout=30)
+        with quiet_collector():
+            pass
+        assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)  # the inner exit restored nothing
+    assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)  # the thread's block is still open
+    assert gc.get_freeze_count() > 0
+    leave.set()
+    worker.join(timeout=30)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
