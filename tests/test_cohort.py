@@ -19,7 +19,7 @@ from fakes import run_cfg
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients import cohort as cohort_module
-from fedaccel.clients.cohort import (CohortJob, batched_forward, fallback_reason, fit_cohort, loss_weights,
+from fedaccel.clients.cohort import (CohortJob, batched_forward, fallback_reason, fit_cohort, label_gradients,
                                      losses_from_label_log_probs, sgd_step)
 from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
@@ -287,8 +287,8 @@ def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, co
     out = models[0].batched_forward(dict(zip(names, params)), x)
     losses = (torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none") * real).sum(1) / count
     expected = torch.autograd.grad(losses.sum(), params)
-    grads, label_log_probs = models[0].batched_loss_and_grads(dict(zip(names, params)), x, y,
-                                                              loss_weights(real, count, dtype))
+    grads, label_log_probs = models[0].batched_loss_and_grads(dict(zip(names, params)), x, y.unsqueeze(1),
+                                                              label_gradients(real, count, dtype))
     assert list(grads) != [] and set(grads) == set(names)
     for k, e in zip(names, expected):
         assert torch.equal(grads[k], e), k

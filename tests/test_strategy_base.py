@@ -231,3 +231,28 @@ def test_missing_replies_count_as_failures_and_all_missing_stops():
     configure(strategy, 2, new)
     with pytest.raises(RoundFailedError, match="no reply within round-timeout"):
         strategy.aggregate_train(2, [])
+
+
+def test_messages_bytes_counts_every_message_and_measures_a_shared_record_once(monkeypatch):
+    """The payload of a round's messages: a record several messages share
+    (FedAvg's one content) counts once per message, as it crosses the wire
+    once per message; it is only measured once."""
+    import numpy as np
+    from flwr.app import ArrayRecord, Message, RecordDict
+
+    from fedaccel.arrays import numpy_to_record
+    from fedaccel.strategies import base as base_module
+
+    shared = numpy_to_record({"w": np.zeros((3, 4), np.float32)})
+    own = numpy_to_record({"w": np.zeros(5, np.float64), "b": np.ones(2, np.float32)})
+    content = RecordDict({"arrays": shared})
+    messages = [Message(content, 7, "train"), Message(content, 8, "train"),
+                Message(RecordDict({"arrays": shared, "extra": own}), 9, "train")]
+    measured = []
+    real = base_module.payload_bytes
+    monkeypatch.setattr(base_module, "payload_bytes", lambda rec: measured.append(id(rec)) or real(rec))
+    expected = 3 * sum(len(a.data) for a in shared.values()) + sum(len(a.data) for a in own.values())
+    assert base_module.messages_bytes(messages) == expected
+    assert sorted(measured) == sorted([id(shared), id(own)])
+    assert base_module.messages_bytes([]) == 0
+    assert isinstance(shared, ArrayRecord)

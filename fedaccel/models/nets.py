@@ -79,26 +79,27 @@ class LinearChain:
         return cls._activations(p, x)[-1].transpose(1, 2)
 
     @classmethod
-    def batched_loss_and_grads(cls, p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                               weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def batched_loss_and_grads(cls, p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
+                               label_grad: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each client's gradient of its mean cross-entropy over its real
         samples, and each sample's log-probability of its label.
 
-        ``x`` ``[C, B, ...]``, ``y`` ``[C, B]``, ``weight`` ``[C, B]``: the
-        derivative of the sum of the clients' losses by each sample's loss,
-        ``real / count`` as autograd forms it (:func:`fedaccel.clients.cohort.loss_weights`; 0 for a
-        padded sample). Returns the gradients by parameter name, exactly
-        ``torch.autograd.grad(losses.sum(), p)`` with ``losses =
-        (cross_entropy(logits, y, 'none') * real).sum(1) / count``, and
-        ``log_softmax(logits)`` at each label ``[C, B]`` (minus each sample's
-        cross-entropy, bit for bit: the trainer reduces them to the losses
-        once per round, not once per step)."""
+        ``x`` ``[C, B, ...]``; ``target`` ``[C, 1, B]``: the labels; and
+        ``label_grad`` ``[C, 1, B]``: the derivative of the sum of the
+        clients' losses by each sample's log-probability at its label,
+        ``-real / count`` as autograd forms it
+        (:func:`fedaccel.clients.cohort.label_gradients`; 0 for a padded
+        sample). Both are formed once per round by the trainer. Returns the
+        gradients by parameter name, exactly ``torch.autograd.grad(losses.sum(),
+        p)`` with ``losses = (cross_entropy(logits, y, 'none') * real).sum(1) /
+        count``, and ``log_softmax(logits)`` at each label ``[C, 1, B]`` (minus
+        each sample's cross-entropy, bit for bit: the trainer reduces them to
+        the losses once per round, not once per step)."""
         with torch.no_grad():
             acts = cls._activations(p, x)
             log_probs = torch.log_softmax(acts[-1], dim=1)  # cross_entropy = log_softmax + nll_loss
-            target = y.unsqueeze(1)
-            # nll_loss's backward: -weight scattered at each target
-            grad = torch.zeros_like(log_probs).scatter_(1, target, (-weight).unsqueeze(1))
+            # nll_loss's backward: label_grad scattered at each label
+            grad = torch.zeros_like(log_probs).scatter_(1, target, label_grad)
             grad = torch._log_softmax_backward_data(grad, log_probs, 1, log_probs.dtype)
             grads: dict[str, torch.Tensor] = {}
             for i in range(len(cls.chain) - 1, -1, -1):
@@ -108,7 +109,7 @@ class LinearChain:
                 if i > 0:  # through the layer's weight, then the ReLU before it
                     grad = torch.bmm(p[f"{name}.weight"].transpose(1, 2), grad)
                     grad = torch.ops.aten.threshold_backward(grad, acts[i], 0)
-        return grads, log_probs.gather(1, target).squeeze(1)
+        return grads, log_probs.gather(1, target)
 
 
 def mlp_hidden_size(in_features: int) -> int:

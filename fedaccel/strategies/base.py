@@ -286,9 +286,12 @@ class FedAccelStrategy:
             messages = [_with_config(m, updates) if (updates := self._client_updates(pid[m.metadata.dst_node_id],
                                                                                      log_)) else m
                         for m in messages]
+        checked: set[int] = set()  # FedAvg's messages share one content: checked once
         for m in messages:
-            self._check_outgoing(m)
-        log_.bytes_down += sum(_message_bytes(m) for m in messages)
+            if id(m.content) not in checked:
+                self._check_outgoing(m)
+                checked.add(id(m.content))
+        log_.bytes_down += messages_bytes(messages)
         return messages
 
     def _check_outgoing(self, message: Message) -> None:
@@ -315,7 +318,7 @@ class FedAccelStrategy:
                 ok.append(m)
         log_.replies = len(ok)
         log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
-        log_.bytes_up += sum(_message_bytes(m) for m in ok)
+        log_.bytes_up += messages_bytes(ok)
         new_causes = self.client_errors.report(server_round, replies)
         if not ok:
             reasons = self.client_errors.causes(replies)
@@ -452,9 +455,18 @@ class FedAccelStrategy:
         super().summary()  # type: ignore[misc]
 
 
-def _message_bytes(message: Message) -> int:
-    content: RecordDict = message.content
-    return sum(payload_bytes(rec) for rec in records_of(content, ArrayRecord).values())
+def messages_bytes(messages: Iterable[Message]) -> int:
+    """The array payload of all ``messages``, each counted in full (what
+    crosses the wire); a record that several messages share (the global
+    model of a round) is measured once."""
+    sizes: dict[int, int] = {}
+    total = 0
+    for message in messages:
+        for record in records_of(message.content, ArrayRecord).values():
+            if id(record) not in sizes:
+                sizes[id(record)] = payload_bytes(record)
+            total += sizes[id(record)]
+    return total
 
 
 def _with_config(message: Message, updates: dict[str, Any]) -> Message:
