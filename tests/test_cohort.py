@@ -207,6 +207,36 @@ def test_a_batched_round_on_a_gpu_equals_the_per_client_round(algo: str, changes
                 p.add_(mean) if algo in STATE_GROUP else p.copy_(mean)
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "fedprox"])  # without and with its own begin_round
+def test_clients_that_received_different_models_each_start_from_their_own(algo: str) -> None:
+    """Messages of one round need not share the model record (a server that
+    sends some clients another model): interleaved records A, B, A, B, each
+    client's batched round equals its per-client round from the model it
+    received, whether or not its solver reads the model before its steps."""
+    cfg = run_cfg(algo, **{"batch-size": 16})
+    models = [make_model(0), make_model(1)]
+    datas = clients()
+    records = [state_to_arrays(m) for m in models]
+    jobs, expected = [], []
+    for c, data in enumerate(datas):
+        model = models[c % 2]
+        jobs.append(CohortJob(solver=new_solver(cfg, model), data=data, arrays=records[c % 2],
+                              config=config_for(algo, 1), state=ContextState(RecordDict()),
+                              generator=seeded_generator(cfg.seed, 1, c, "train"),
+                              received=received_for(algo, model)))
+        result = new_solver(cfg, model).fit(copy.deepcopy(model), data, config_for(algo, 1),
+                                            ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train"),
+                                            received_for(algo, model))
+        expected.append([torch.from_numpy(a.numpy()) for a in result.arrays.values()])
+    results = fit_cohort(copy.deepcopy(models[0]), jobs, cfg.batch_size)
+    for c, (result, want) in enumerate(zip(results, expected)):
+        got = [torch.from_numpy(a.numpy()) for a in result.arrays.values()]
+        for p, q in zip(want, got):
+            torch.testing.assert_close(q, p, atol=ATOL, rtol=RTOL, msg=f"client {c}")
+    # and the two models really differ, so a client started from the wrong one would fail
+    assert not torch.allclose(expected[0][0], expected[1][0], atol=1e-3)
+
+
 def test_the_clip_and_local_gc_cases_really_clip_and_centralize() -> None:
     """The clip and GC cases above would pass vacuously if the clip never
     acted or GC had nothing to do: check that they change the round."""

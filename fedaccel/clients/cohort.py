@@ -490,24 +490,34 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     place (that client's error reply); the others go on."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
     groups: dict[tuple[float, int], list[tuple[int, CohortMember]]] = {}
-    targets = list(model.state_dict().values())
+    state = model.state_dict()
+    targets = list(state.values())
     params = list(model.parameters())
+    in_state = list(state)
+    param_slots = [in_state.index(name) for name, _ in model.named_parameters()]
     loaded: dict[int, tuple[ArrayRecord, list[torch.Tensor]]] = {}  # id(arrays) -> its tensors
     for j, job in enumerate(jobs):
+        # a solver without its own begin_round neither reads nor changes the
+        # model before its steps: it starts from the received weights as they are
+        reads_model = job.solver.overrides("begin_round") or job.solver.overrides("open_round")
         try:
             # a round's messages usually share one model record: read it once
-            if id(job.arrays) in loaded:
+            if id(job.arrays) not in loaded:
+                load_into(model, job.arrays)
+                loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
+            elif reads_model:
                 with torch.no_grad():
                     for target, value in zip(targets, loaded[id(job.arrays)][1]):
                         target.copy_(value)
-            else:
-                load_into(model, job.arrays)
-                loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
             train = job.solver.open_round(model, job.config, job.state, job.received)
         except errors as err:
             out[j] = err
             continue
-        member = CohortMember(job.solver, job.data, job.generator, [p.detach().clone() for p in params])
+        if reads_model:
+            start = [p.detach().clone() for p in params]
+        else:  # the received tensors themselves (read only: the trainer stacks copies)
+            start = [loaded[id(job.arrays)][1][i] for i in param_slots]
+        member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
     for (lr, epochs), group in groups.items():
