@@ -12,14 +12,18 @@ collector's callbacks added up to 0.28 s for the full collections and 0.10
 s for the younger ones, about a seventh of the run (``docs/cohort-batching.md``).
 
 :func:`quiet_collector` is the standard answer (``gc.freeze``, Python's own
-documentation suggests it for this): objects that exist when the rounds
+documentation suggests it for this): after one full collection (so that
+garbage already there, such as an earlier experiment's data in a sweep or
+a notebook, is freed rather than kept), objects that exist when the rounds
 start (modules, the dataset, the model) move to a permanent generation no
 collection walks, and the youngest generation is collected every
 :data:`YOUNG_THRESHOLD` allocations instead of 700. Nothing is disabled:
 cycles made during the rounds are still collected. On exit both settings are
 put back (``gc.unfreeze`` returns the frozen objects to the oldest
 generation), so a caller that runs many experiments in one process (the
-tests, a notebook) keeps the collector it had. Nested or concurrent blocks
+tests, a notebook) keeps the collector it had; a program that froze objects
+itself before (``gc.freeze`` before a fork) keeps them frozen, and only the
+threshold is raised. Nested or concurrent blocks
 (experiments in threads of one process) act once: the first to enter sets,
 the last to leave restores.
 Written by hand: a few lines of the standard library, no package offers them.
@@ -39,17 +43,23 @@ YOUNG_THRESHOLD = 20_000
 _lock = threading.Lock()
 _depth = 0  # blocks open now
 _saved: tuple[int, ...] = ()  # the thresholds before the first one
+_froze = False  # whether the first one froze (not when the program had frozen objects itself)
 
 
 @contextmanager
 def quiet_collector() -> Iterator[None]:
     """Freeze the objects alive now and collect the young generation less
     often, for the duration of the ``with`` block; then restore both."""
-    global _depth, _saved
+    global _depth, _saved, _froze
     with _lock:
         if _depth == 0:
             _saved = gc.get_threshold()
-            gc.freeze()
+            # a program that froze objects itself (before a fork) keeps them as it
+            # froze them: unfreezing on exit would undo that
+            _froze = gc.get_freeze_count() == 0
+            if _froze:
+                gc.collect()  # once: what is garbage already (an earlier run's data) is freed, not frozen
+                gc.freeze()
             gc.set_threshold(max(_saved[0], YOUNG_THRESHOLD), *_saved[1:])
         _depth += 1
     try:
@@ -59,4 +69,5 @@ def quiet_collector() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 gc.set_threshold(*_saved)
-                gc.unfreeze()
+                if _froze:
+                    gc.unfreeze()

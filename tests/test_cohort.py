@@ -19,8 +19,8 @@ from fakes import run_cfg
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients import cohort as cohort_module
-from fedaccel.clients.cohort import (CohortJob, batched_forward, fallback_reason, fit_cohort, label_gradients,
-                                     losses_from_label_log_probs, sgd_step)
+from fedaccel.clients.cohort import (CohortJob, CohortMember, batched_forward, fallback_reason, fit_cohort, label_gradients,
+                                     losses_from_label_log_probs, sgd_step, train_cohort)
 from fedaccel.clients.state import ContextState
 from fedaccel.contract import train_config_record
 from fedaccel.models import build_model
@@ -235,6 +235,45 @@ def test_clients_that_received_different_models_each_start_from_their_own(algo: 
             torch.testing.assert_close(q, p, atol=ATOL, rtol=RTOL, msg=f"client {c}")
     # and the two models really differ, so a client started from the wrong one would fail
     assert not torch.allclose(expected[0][0], expected[1][0], atol=1e-3)
+
+
+def test_step_by_step_gathering_gives_the_same_bits_as_gathering_once(monkeypatch) -> None:
+    """A round whose batches would take too much memory to gather at once
+    (``GATHER_ONCE_BYTES``) gathers them step by step: the same rows, so the
+    same weights and metrics to the bit (two epochs: ragged clients leave)."""
+    cfg = run_cfg("fedprox", **{"batch-size": 16, "local-epochs": 2})
+    model, datas = make_model(), clients()
+
+    def run():
+        members = [CohortMember(new_solver(cfg, model), data, seeded_generator(0, 1, c, "train"),
+                                [p.detach().clone() for p in model.parameters()])
+                   for c, data in enumerate(datas)]
+        for m in members:
+            m.solver.open_round(copy.deepcopy(model), config_for("fedprox", 1), ContextState(RecordDict()),
+                                received_for("fedprox", model))
+        return train_cohort(model, members, 0.1, 2, 16)
+
+    once = run()
+    monkeypatch.setattr(cohort_module, "GATHER_ONCE_BYTES", 0)
+    by_step = run()
+    assert once[1] == by_step[1]
+    for a, b in zip(once[0], by_step[0]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_round_without_steps_returns_the_start_weights() -> None:
+    """``local-epochs=0`` (no step for anyone): every client's start weights
+    and the per-client loop's metrics (no loss, no steps), not an error."""
+    cfg = run_cfg("fedavg", **{"batch-size": 16})
+    model, datas = make_model(), clients()
+    members = [CohortMember(new_solver(cfg, model), data, seeded_generator(0, 1, c, "train"),
+                            [p.detach().clone() for p in model.parameters()]) for c, data in enumerate(datas)]
+    weights, metrics = train_cohort(model, members, 0.1, 0, 16)
+    expected = new_solver(cfg, model).run_epochs(copy.deepcopy(model), datas[0], seeded_generator(0, 1, 0, "train"),
+                                                 0.1, 0)
+    assert metrics == [expected] * len(datas) == [{"train-loss": 0.0, "local-steps": 0}] * len(datas)
+    for w, m in zip(weights, members):
+        assert all(torch.equal(x, y) for x, y in zip(w, m.start))
 
 
 def test_the_clip_and_local_gc_cases_really_clip_and_centralize() -> None:

@@ -29,6 +29,7 @@ from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,20 @@ def shots(tmp_path):
 def text(driver, element_id: str) -> str:
     found = driver.find_elements(By.ID, element_id)
     return found[0].text if found else ""
+
+
+def pick_every_run(driver) -> bool:
+    """Tick every run's box; True once all are ticked. The runs table is
+    redrawn while it polls (keeping the ticks), so a box found before a
+    redraw is stale after it: found again on the next try."""
+    try:
+        for box in driver.find_elements(By.CSS_SELECTOR, "input.pick"):
+            if not box.is_selected():
+                box.click()
+        boxes = driver.find_elements(By.CSS_SELECTOR, "input.pick")
+        return bool(boxes) and all(box.is_selected() for box in boxes)
+    except StaleElementReferenceException:
+        return False
 
 
 def set_field(driver, key: str, value: str) -> None:
@@ -121,8 +136,7 @@ def test_compare_two_runs(browser, tmp_path, shots):
         wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#runs-table tbody tr")) == 2, 30, "the runs")
         wait_for(lambda: "SuperLink connection" in text(browser, "flower"), 60, "the Flower runs' panel")
         shots(browser, "runs")
-        for box in browser.find_elements(By.CSS_SELECTOR, "input.pick"):
-            box.click()
+        wait_for(lambda: pick_every_run(browser), 30, "both runs picked")
         browser.find_element(By.ID, "compare-button").click()
         wait_for(lambda: browser.find_elements(By.ID, "compare-table"), 30, "the comparison")
         rows = sorted(r.text for r in browser.find_elements(By.CSS_SELECTOR, "#compare-table tbody tr"))

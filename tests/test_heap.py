@@ -35,19 +35,22 @@ def test_restores_after_an_exception():
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
 
 
-def test_cycles_made_inside_are_still_collected_and_frozen_ones_after():
-    old = Node()
-    old_ref = weakref.ref(old)
-    del old  # garbage already, but only a collection frees it
+def test_garbage_is_freed_on_entry_cycles_made_inside_are_collected_and_frozen_ones_after():
+    garbage = Node()
+    garbage_ref = weakref.ref(garbage)
+    del garbage  # garbage before the rounds: freed on entry, not frozen
+    kept = Node()
+    kept_ref = weakref.ref(kept)
     with quiet_collector():
+        assert garbage_ref() is None
         new = Node()
         new_ref = weakref.ref(new)
-        del new
+        del new, kept  # both garbage now
         gc.collect()
         assert new_ref() is None  # made during the rounds: collected
-        assert old_ref() is not None  # alive when the rounds began: frozen, not walked
+        assert kept_ref() is not None  # alive when the rounds began: frozen, not walked
     gc.collect()
-    assert old_ref() is None  # unfrozen on exit: collected again
+    assert kept_ref() is None  # unfrozen on exit: collected again
 
 
 def test_nested_and_concurrent_blocks_act_once():
@@ -72,3 +75,19 @@ def test_nested_and_concurrent_blocks_act_once():
     leave.set()
     worker.join(timeout=30)
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
+
+
+def test_a_program_that_froze_objects_itself_keeps_them_frozen():
+    """A program that froze objects itself (``gc.freeze()`` before a fork)
+    finds them frozen after the rounds: only the threshold is raised."""
+    before = gc.get_threshold()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with quiet_collector():
+            assert gc.get_freeze_count() == frozen
+            assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
+        assert gc.get_freeze_count() == frozen and gc.get_threshold() == before
+    finally:
+        gc.unfreeze()

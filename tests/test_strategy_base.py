@@ -238,7 +238,7 @@ def test_messages_bytes_counts_every_message_and_measures_a_shared_record_once(m
     (FedAvg's one content) counts once per message, as it crosses the wire
     once per message; it is only measured once."""
     import numpy as np
-    from flwr.app import ArrayRecord, Message, RecordDict
+    from flwr.app import Message, RecordDict
 
     from fedaccel.arrays import numpy_to_record
     from fedaccel.strategies import base as base_module
@@ -255,4 +255,8 @@ def test_messages_bytes_counts_every_message_and_measures_a_shared_record_once(m
     assert base_module.messages_bytes(messages) == expected
     assert sorted(measured) == sorted([id(shared), id(own)])
     assert base_module.messages_bytes([]) == 0
-    assert isinstance(shared, ArrayRecord)
+    # a generator of messages made and dropped one by one: each record measured as its own
+    fresh = (Message(RecordDict({"arrays": numpy_to_record({"w": np.zeros(n, np.float32)})}), 7, "train")
+             for n in (1, 50, 3))
+    assert base_module.messages_bytes(fresh) == sum(
+        len(numpy_to_record({"w": np.zeros(n, np.float32)})["w"].data) for n in (1, 50, 3))

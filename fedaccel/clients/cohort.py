@@ -116,6 +116,11 @@ def slower_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+# A round's mini-batches are gathered at once (one index_select) when they
+# take at most this much memory (all steps' inputs: epochs times the data),
+# else one step at a time: the same rows either way.
+GATHER_ONCE_BYTES = 256 << 20
+
 # Model-sized tensors per client while a chunk trains: its start weights, the
 # stacked weights, their gradient, the gradient rule's output, the momentum
 # buffer, the trained copy, and up to four step tensors of the rule
@@ -196,7 +201,8 @@ def own_batched(model: torch.nn.Module, name: str) -> Callable | None:
 @dataclass
 class CohortMember:
     """One client of the cohort: its own solver (after ``open_round``), data,
-    generator and starting weights (``model.parameters()`` order)."""
+    generator and starting weights (``model.parameters()`` order; read only:
+    clients that received the same model may share them)."""
 
     solver: LocalSolver
     data: TrainData
@@ -265,12 +271,21 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     cohort = [members[c] for c in order]
     template = cohort[0].solver  # scalars of the rule and the optimizer: the same for all
     rows, real, active_per_step, steps = _batch_plan(cohort, epochs, batch_size, device)
-    starts = np.cumsum([0, *active_per_step[:-1]]).tolist()
-    # every step's mini-batches gathered at once, in step order
-    flat_rows = rows.view(-1)
-    x_steps = torch.cat([m.data.x for m in cohort]).index_select(0, flat_rows)
-    x_steps = x_steps.view(rows.shape + x_steps.shape[1:])  # [K, B, ...]
-    y_steps = torch.cat([m.data.y for m in cohort]).index_select(0, flat_rows).view(rows.shape)
+    starts = np.cumsum([0, *active_per_step])[:-1].tolist()  # step t's first row (none: no steps)
+    x_all = torch.cat([m.data.x for m in cohort])
+    y_steps = torch.cat([m.data.y for m in cohort]).index_select(0, rows.view(-1)).view(rows.shape)
+    sample_shape = x_all.shape[1:]
+    if rows.numel() * math.prod(sample_shape) * x_all.element_size() <= GATHER_ONCE_BYTES:
+        # every step's mini-batches gathered at once, in step order, [K, B, ...]
+        gathered = x_all.index_select(0, rows.view(-1)).view(rows.shape + sample_shape)
+
+        def x_rows(begin: int, end: int) -> torch.Tensor:
+            return gathered[begin:end]
+    else:  # (epochs times the data: too much to hold) one step at a time, the same rows
+
+        def x_rows(begin: int, end: int) -> torch.Tensor:
+            return x_all.index_select(0, rows[begin:end].reshape(-1)).view((end - begin,) + rows.shape[1:]
+                                                                           + sample_shape)
     names = [n for n, _ in model.named_parameters()]
     grads_of = batched_loss_and_grads(model)
     own = [m.solver.step_tensors() for m in cohort]
@@ -303,7 +318,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
         end = start + active
-        grads, log_probs = grads_of(holder, x_steps[start:end], target[start:end], label_grad[start:end])
+        grads, log_probs = grads_of(holder, x_rows(start, end), target[start:end], label_grad[start:end])
         for p, g in zip(holder, grads):
             p.grad = g
         if not plain_rule:  # the solver's own rule, on every client at once
@@ -317,7 +332,8 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     # [T, C] tables of each client's mini-batch loss and real samples per step (0 once it has left)
     training = (torch.arange(len(cohort), device=device)[None, :]
                 < torch.tensor(active_per_step, device=device)[:, None])
-    losses = losses_from_label_log_probs(torch.cat(label_log_probs), real, counts)  # [K], in the run's precision
+    losses = (losses_from_label_log_probs(torch.cat(label_log_probs), real, counts) if label_log_probs
+              else counts.new_zeros(0, dtype=weights[0].dtype))  # [K], in the run's precision
     step_losses = losses.new_zeros(training.shape).masked_scatter_(training, losses)
     step_counts = counts.new_zeros(training.shape).masked_scatter_(training, counts)
     loss_sum, seen = (step_losses * step_counts).sum(dim=0), step_counts.sum(dim=0)

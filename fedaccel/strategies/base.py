@@ -459,13 +459,13 @@ def messages_bytes(messages: Iterable[Message]) -> int:
     """The array payload of all ``messages``, each counted in full (what
     crosses the wire); a record that several messages share (the global
     model of a round) is measured once."""
-    sizes: dict[int, int] = {}
+    sizes: dict[int, tuple[ArrayRecord, int]] = {}  # id -> (the record, kept alive so its id stays its own; size)
     total = 0
     for message in messages:
         for record in records_of(message.content, ArrayRecord).values():
             if id(record) not in sizes:
-                sizes[id(record)] = payload_bytes(record)
-            total += sizes[id(record)]
+                sizes[id(record)] = (record, payload_bytes(record))
+            total += sizes[id(record)][1]
     return total
 
 
