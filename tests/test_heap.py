@@ -35,22 +35,21 @@ def test_restores_after_an_exception():
     assert gc.get_threshold() == before and gc.get_freeze_count() == frozen_before
 
 
-def test_garbage_is_freed_on_entry_cycles_made_inside_are_collected_and_frozen_ones_after():
+def test_cycles_made_inside_are_collected_and_frozen_ones_after():
     garbage = Node()
     garbage_ref = weakref.ref(garbage)
-    del garbage  # garbage before the rounds: freed on entry, not frozen
+    del garbage  # garbage before the rounds: frozen with the rest, freed after them
     kept = Node()
     kept_ref = weakref.ref(kept)
     with quiet_collector():
-        assert garbage_ref() is None
         new = Node()
         new_ref = weakref.ref(new)
         del new, kept  # both garbage now
         gc.collect()
         assert new_ref() is None  # made during the rounds: collected
-        assert kept_ref() is not None  # alive when the rounds began: frozen, not walked
+        assert kept_ref() is not None and garbage_ref() is not None  # frozen: not walked
     gc.collect()
-    assert kept_ref() is None  # unfrozen on exit: collected again
+    assert kept_ref() is None and garbage_ref() is None  # unfrozen on exit: collected
 
 
 def test_nested_and_concurrent_blocks_act_once():
@@ -85,9 +84,12 @@ def test_a_program_that_froze_objects_itself_keeps_them_frozen():
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 0
+        junk = [Node() for _ in range(100)]  # young objects a freeze would take in
         with quiet_collector():
-            assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() <= frozen  # (frozen objects can still be freed by refcount)
             assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
-        assert gc.get_freeze_count() == frozen and gc.get_threshold() == before
+        assert 0 < gc.get_freeze_count() <= frozen  # still frozen: not unfrozen on exit
+        assert gc.get_threshold() == before
+        del junk
     finally:
         gc.unfreeze()
