@@ -11,22 +11,21 @@ at 100 clients per round (MLP 60-32-10, 30 rounds, no local steps) the
 collector's callbacks added up to 0.28 s for the full collections and 0.10
 s for the younger ones, about a seventh of the run (``docs/cohort-batching.md``).
 
-:func:`quiet_collector` is the standard answer (``gc.freeze``): objects that exist when the rounds
-start (modules, the dataset, the model) move to a permanent generation no
-collection walks, and the youngest generation is collected every
+:func:`quiet_collector` is the standard answer (``gc.freeze``): objects
+that exist when the rounds start (modules, the dataset, the model) move to
+a permanent generation no collection walks, and the youngest generation is collected every
 :data:`YOUNG_THRESHOLD` allocations instead of 700. Nothing is disabled:
 cycles made during the rounds are still collected. What was already
 cyclic garbage when the rounds started (in a process that ran an
 experiment before) is frozen with the rest and freed after they end, not
 during them: a full collection first would free it at once, but costs
 what the freeze saves (about 0.2 s a run in a test process with a large
-heap: 25 s more for 174 runs). On exit both settings are
-put back (``gc.unfreeze`` returns the frozen objects to the oldest
+heap: 25 s more for 174 runs). On exit both settings are put back (``gc.unfreeze`` returns the frozen objects to the oldest
 generation), so a caller that runs many experiments in one process (the
 tests, a notebook) keeps the collector it had; a program that froze objects
 itself before (``gc.freeze`` before a fork) keeps them frozen, and only the
-threshold is raised. Nested or concurrent blocks
-(experiments in threads of one process) act once: the first to enter sets,
+threshold is raised. Nested or concurrent blocks (experiments in threads
+of one process) act once: the first to enter sets,
 the last to leave restores.
 Written by hand: a few lines of the standard library, no package offers them.
 """

@@ -219,8 +219,9 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
     ``[K, B]``: step ``t``'s mini-batches are the next ``active[t]`` rows, one
     per active client in cohort order, as indices into the concatenated data
     of all clients; ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
-    epoch's last batch); ``active``; and each client's step count. ``K`` is the total number of client-steps, so no
-    row is gathered for a client that has left. The permutations are drawn
+    epoch's last batch); ``active``; and each client's step count. ``K`` is
+    the total number of client-steps, so no row is gathered for a client
+    that has left. The permutations are drawn
     exactly as the per-client loop draws them: one ``randperm`` per epoch from
     the client's generator."""
     steps = [epochs * math.ceil(m.data.num_examples / batch_size) for m in members]
@@ -307,9 +308,7 @@ def train_cohort(model: torch.nn.Module, members: list[CohortMember], lr: float,
     active = len(cohort)
     plain_rule = not template.edits_gradients()
     for t, start in enumerate(starts):
-        still = active
-        while steps[still - 1] <= t:  # clients are sorted by step count; the last ones are done
-            still -= 1
+        still = active_per_step[t]  # clients are sorted by step count; the last ones are done
         if still < active:
             holder, optimizer = _retire(holder, optimizer, template, lr, still)
             step = sgd_step(optimizer) or optimizer.step
@@ -506,11 +505,10 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     place (that client's error reply); the others go on."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
     groups: dict[tuple[float, int], list[tuple[int, CohortMember]]] = {}
-    state = model.state_dict()
-    targets = list(state.values())
+    model_state = model.state_dict()
+    targets = list(model_state.values())
     params = list(model.parameters())
-    in_state = list(state)
-    param_slots = [in_state.index(name) for name, _ in model.named_parameters()]
+    param_slots = [list(model_state).index(name) for name, _ in model.named_parameters()]
     loaded: dict[int, tuple[ArrayRecord, list[torch.Tensor]]] = {}  # id(arrays) -> its tensors
     for j, job in enumerate(jobs):
         # a solver without its own begin_round neither reads nor changes the
