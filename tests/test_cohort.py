@@ -435,6 +435,90 @@ def test_the_fast_step_is_the_autograd_and_optimizer_step_bit_for_bit(algo: str,
                 assert torch.equal(torch.from_numpy(xf[name][key].numpy()), torch.from_numpy(xs[name][key].numpy()))
 
 
+@pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},
+                                      {"momentum": 0.5, "nesterov": True}])
+def test_a_narrowed_step_is_a_new_optimizer_on_the_first_rows(settings: dict) -> None:
+    """``FunctionalSGD.narrowed(keep)``, what a retire does without building
+    an optimizer, steps exactly as ``_retire``'s new optimizer over views of
+    the first ``keep`` rows with their momentum buffers: the same weights and
+    buffers bit for bit, and the rows after ``keep`` left as they were."""
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(5, 4, 3, generator=gen), torch.randn(5, 4, generator=gen)]
+    a, b = [w.clone() for w in start], [w.clone() for w in start]
+    pa, pb = [torch.nn.Parameter(w) for w in a], [torch.nn.Parameter(w) for w in b]
+    optimizer = torch.optim.SGD(pa, lr=0.05, **settings)
+    step = sgd_step(torch.optim.SGD(pb, lr=0.05, **settings))
+    template = get_algorithm("fedavg").solver(run_cfg("fedavg", momentum=settings["momentum"],
+                                                      **{"weight-decay": settings.get("weight_decay", 0.0)}))
+    if settings.get("nesterov"):  # the solver's optimizer has no nesterov: retire into a plain one by hand
+        template.make_optimizer = lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr, **settings)
+    for keep in (5, 3, 3, 1):
+        if keep < len(pa[0]):
+            pa, optimizer = cohort_module._retire(pa, optimizer, template, 0.05, keep)
+            pb, step = step.narrowed(keep)
+        grads = [torch.randn_like(p) for p in pa]
+        for p, q, g in zip(pa, pb, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        optimizer.step()
+        step()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0][:1], start[0][:1]) and not torch.equal(a[0][3:], start[0][3:])
+    if settings["momentum"]:
+        for p, q in zip(pa, pb):
+            assert torch.equal(optimizer.state[p]["momentum_buffer"], step.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedprox"])
+def test_uploads_built_from_the_stacked_weights_are_the_loaded_models_byte_for_byte(algo: str, monkeypatch) -> None:
+    """For a solver that uploads its trained weights as they are, the cohort
+    trainer builds each reply's ``arrays`` from the stacked weights instead of
+    loading them into the model and calling ``upload``: the same Arrays
+    (keys, dtype, shape, bytes), and the same for everyone else's path."""
+    assert get_algorithm(algo).solver.uploads_trained_weights()
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
+    model, datas = make_model(), clients()
+
+    def arrays_of_round() -> list:
+        start = state_to_arrays(model)
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start,
+                          config=config_for(cfg.algo, 1), state=ContextState(RecordDict()),
+                          generator=seeded_generator(cfg.seed, 1, c, "train"), received=received_for(algo, model))
+                for c, data in enumerate(datas)]
+        return [r.arrays for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)]
+
+    built = arrays_of_round()
+    monkeypatch.setattr(LocalSolver, "uploads_trained_weights", classmethod(lambda cls: False))
+    loaded = arrays_of_round()
+    for x, y in zip(built, loaded):
+        assert list(x.keys()) == list(y.keys())
+        assert all(x[k].__dict__ == y[k].__dict__ for k in x.keys())
+
+
+def test_solvers_that_read_the_trained_model_upload_it_themselves() -> None:
+    """SCAFFOLD, FedDyn, FedRKMGC, FedPM (``end_round``) and FedCDR
+    (``upload``) read the model after the steps: the trainer loads their
+    weights, and ``close_round`` refuses an upload built for them."""
+    for algo in ("scaffold", "feddyn", "fedrkmgc", "fedpm", "fedcdr"):
+        assert not get_algorithm(algo).solver.uploads_trained_weights(), algo
+    model = make_model()
+    solver = new_solver(run_cfg("scaffold"), model)
+    with pytest.raises(TypeError, match="builds its own upload"):
+        solver.close_round(model, clients()[0], ContextState(RecordDict()), {"local-steps": 1},
+                           arrays=state_to_arrays(model))
+
+
+def test_no_upload_is_built_for_a_model_with_buffers() -> None:
+    """A model whose state holds more than its parameters: its upload is the
+    model's own state dict, so every member goes the loading way."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    state = model.state_dict()
+    slots = [list(state).index(name) for name, _ in model.named_parameters()]
+    weights = [torch.stack([p.detach()] * 2) for p in model.parameters()]
+    member = CohortMember(get_algorithm("fedavg").solver(run_cfg("fedavg")), clients()[0], torch.Generator(), [])
+    assert cohort_module._weight_records(state, slots, weights, [0, 1], [(0, member), (1, member)]) == [None, None]
+
+
 def test_a_subclass_that_changes_forward_is_not_batched_as_its_parent() -> None:
     """An MLP subclass with its own ``forward``: the chain's batched methods
     would compute the parent's network, so the trainer takes ``vmap`` and

@@ -209,6 +209,13 @@ class LocalSolver:
         """The reply's ``arrays``: the trained weights (FedAvg's last iterate)."""
         return state_to_arrays(model)
 
+    @classmethod
+    def uploads_trained_weights(cls) -> bool:
+        """Whether the reply is the trained weights and nothing after the
+        steps reads the model: neither :meth:`end_round` nor :meth:`upload`
+        is overridden (FedAvg, FedProx)."""
+        return not cls.overrides("end_round") and not cls.overrides("upload")
+
     # ------------------------------------------------------------------ loop
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         """Plain SGD with the run's momentum and weight decay, fresh every round."""
@@ -300,13 +307,20 @@ class LocalSolver:
         return train
 
     def close_round(self, model: torch.nn.Module, data: TrainData, state: ClientState,
-                    metrics: dict[str, float | int]) -> LocalResult:
+                    metrics: dict[str, float | int], arrays: ArrayRecord | None = None) -> LocalResult:
         """Everything after the local steps, from the trained weights in
-        ``model``: :meth:`end_round`, :meth:`upload`, seal the state."""
+        ``model``: :meth:`end_round`, :meth:`upload`, seal the state.
+
+        ``arrays``: the upload, when the caller built it from the trained
+        weights itself (the cohort trainer, which holds every client's weights
+        stacked); only for a solver that :meth:`uploads_trained_weights`,
+        whose ``end_round`` and ``upload`` do not read ``model`` then."""
         self.local_steps = int(metrics.get("local-steps", 0))
+        if arrays is not None and not self.uploads_trained_weights():
+            raise TypeError(f"{type(self).__name__} builds its own upload; close_round takes no arrays for it")
         extra = self.end_round(model, state)
         self.messages.check_records(self.cfg.algo, "to_server", extra)
-        result_arrays = self.upload(model, state)
+        result_arrays = self.upload(model, state) if arrays is None else arrays
         if self.state_copies > 0:
             state.seal()  # pending until the server's next message says it applied this reply
         metrics = dict(metrics, **{"num-examples": data.num_examples})
