@@ -124,6 +124,31 @@ def test_to_numpy_is_a_read_only_view_of_the_payload():
         view[0] = 1.0
 
 
+def test_views_are_made_once_inside_views_reused_only():
+    """Inside ``views_reused`` an Array's view is made once (the same object
+    again, also in a nested block); outside it, and for a payload read the
+    slow way (a fresh writable array each time), never."""
+    import threading
+    from fedaccel.arrays import views_reused
+    array = Array(np.arange(6, dtype=np.float32))
+    assert to_numpy(array) is not to_numpy(array)
+    lying = Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=array.data)
+    with views_reused():
+        first = to_numpy(array)
+        with views_reused():
+            assert to_numpy(array) is first
+        assert to_numpy(array) is first
+        assert to_numpy(lying) is not to_numpy(lying)
+        other_thread = []
+        thread = threading.Thread(target=lambda: other_thread.append(to_numpy(array)))
+        thread.start()
+        thread.join()
+        assert other_thread[0] is not first  # the memo is this thread's
+        np.testing.assert_array_equal(other_thread[0], first)
+    assert to_numpy(array) is not first
+    assert arrays_module._reuse.memo is None
+
+
 def test_a_payload_that_disagrees_with_the_array_fields_goes_through_np_load():
     """The fast path is taken only when the header says what the fields say;
     otherwise Flower's np.load decides (here: the header's shape wins)."""

@@ -203,6 +203,8 @@ def raw_reply(instruction: Message, record: ArrayRecord, n: int = 1) -> Message:
     ({"w2": [9.0]}, "keys"),
     ({"w": [9.0, 9.0, 9.0]}, "shape"),
     ({"w": [float("nan")]}, "non-finite"),
+    ({"w": [float("inf")]}, "non-finite"),
+    ({"w": [-float("inf")]}, "non-finite"),
 ])
 def test_malformed_reply_is_rejected_not_aggregated(bad, reason, caplog):
     strategy = build("fedavg")
@@ -260,3 +262,15 @@ def test_messages_bytes_counts_every_message_and_measures_a_shared_record_once(m
              for n in (1, 50, 3))
     assert base_module.messages_bytes(fresh) == sum(
         len(numpy_to_record({"w": np.zeros(n, np.float32)})["w"].data) for n in (1, 50, 3))
+
+
+def test_a_shape_mismatch_is_found_after_a_reply_that_matched():
+    """The sent model's layout is cached per round: a later reply with one
+    wrong shape is still rejected, and a new round's model is compared anew."""
+    strategy = build("fedavg")
+    msgs = configure(strategy, 1, arrays(w=[0.0], b=[0.0, 0.0]))
+    assert strategy.reply_problem(reply(msgs[0], n=1, w=[1.0], b=[1.0, 1.0])) is None
+    assert "shape" in strategy.reply_problem(reply(msgs[1], n=1, w=[1.0], b=[1.0, 1.0, 1.0]))
+    msgs = configure(strategy, 2, arrays(w=[0.0, 0.0], b=[0.0, 0.0]))
+    assert strategy.reply_problem(reply(msgs[0], n=1, w=[1.0, 2.0], b=[1.0, 1.0])) is None
+    assert "shape" in strategy.reply_problem(reply(msgs[1], n=1, w=[1.0], b=[1.0, 1.0]))

@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedaccel.clients.composition import server_update_transforms
-from fedaccel.arrays import config_record, from_numpy, records_of, to_numpy
+from fedaccel.arrays import config_record, from_numpy, records_of, to_numpy, views_reused
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
@@ -305,6 +305,12 @@ class FedAccelStrategy:
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        with views_reused():  # the checks and the mean read the same Arrays
+            return self._aggregate_train(server_round, replies)
+
+    def _aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = self._ordered(replies)
         ok = []
         log_ = self.rounds.setdefault(server_round, RoundLog())
@@ -410,7 +416,7 @@ class FedAccelStrategy:
             return extra
         arrays = array_records[MODEL_RECORD]
         sent = self.global_arrays
-        if sent is not None:
+        if sent is not None and _layout(arrays) != self._sent_layout(sent):  # the usual case: one comparison
             if list(arrays.keys()) != list(sent.keys()):
                 return f"array keys {sorted(arrays.keys())[:4]}... differ from the model's"
             for key, array in arrays.items():
@@ -427,6 +433,14 @@ class FedAccelStrategy:
                 if values.dtype.kind in "fc" and not np.isfinite(values).all():
                     return f"non-finite values in {name}/{key}"
         return None
+
+    def _sent_layout(self, sent: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
+        """:func:`_layout` of the model sent this round, made once per round."""
+        cached = getattr(self, "_sent_layout_of", None)
+        if cached is None or cached[0] is not sent:
+            cached = (sent, _layout(sent))
+            self._sent_layout_of = cached
+        return cached[1]
 
     # ------------------------------------------------------------- helpers
     def _keep_dtypes(self, arrays: ArrayRecord) -> ArrayRecord:
@@ -453,6 +467,11 @@ class FedAccelStrategy:
         log(INFO, "\t├──> fedaccel: algo=%s, %s of %s clients per round, seeded sampling",
             self.run_cfg.algo, self.cohort_size, self.federation.num_clients)
         super().summary()  # type: ignore[misc]
+
+
+def _layout(record: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
+    """A record's keys, in order, with each array's shape."""
+    return [(key, tuple(array.shape)) for key, array in record.items()]
 
 
 def messages_bytes(messages: Iterable[Message]) -> int:
