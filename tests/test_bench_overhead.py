@@ -59,7 +59,7 @@ def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
     import fedaccel.clients.cohort as cohort
 
     overhead = _overhead()
-    trainer = cohort.train_cohort
+    trainer = cohort.train_stacked
 
     def final(run) -> dict:
         with np.load(Path(run["folder"]) / "final_model.npz") as f:
@@ -71,7 +71,7 @@ def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
                                 mode="no-steps")
         assert ov["cohort-batching"] == "on"
         runs[name] = overhead.no_steps_run(ov, 20)
-        assert cohort.train_cohort is trainer
+        assert cohort.train_stacked is trainer
     assert len(runs["three"]["round_seconds"]) == 3
     one, three = final(runs["one"]), final(runs["three"])
     for key in one:
