@@ -435,6 +435,38 @@ def test_the_fast_step_is_the_autograd_and_optimizer_step_bit_for_bit(algo: str,
                 assert torch.equal(torch.from_numpy(xf[name][key].numpy()), torch.from_numpy(xs[name][key].numpy()))
 
 
+@pytest.mark.parametrize("epochs", [0, 1, 3])
+def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) -> None:
+    """``_batch_plan``: step ``t``'s rows are the batches of the clients still
+    training, in cohort order, each the next ``batch_size`` samples of that
+    client's own ``randperm`` of the epoch (drawn from its generator as the
+    per-client loop draws them), offset to where its data starts in the
+    concatenated data; the last batch of an epoch padded (index 0, not real)."""
+    sizes, batch = [37, 33, 17, 16, 5, 1], 16  # sorted by step count, as the trainer sorts them
+    datas = clients(sizes)
+    solver = get_algorithm("fedavg").solver(run_cfg("fedavg"))
+    members = [CohortMember(solver, d, torch.Generator().manual_seed(10 + c), []) for c, d in enumerate(datas)]
+    rows, real, active, steps = cohort_module._batch_plan(members, epochs, batch, torch.device("cpu"))
+    assert steps == [epochs * -(-n // batch) for n in sizes]
+    assert active == [sum(s > t for s in steps) for t in range(max(steps))]
+    expected_rows, expected_real = [], []
+    batches = []
+    for c, n in enumerate(sizes):
+        gen, offset = torch.Generator().manual_seed(10 + c), sum(sizes[:c])
+        own = []
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen).tolist()
+            own += [order[i:i + batch] for i in range(0, n, batch)]
+        batches.append([([offset + i for i in b] + [0] * (batch - len(b)), [1.0] * len(b) + [0.0] * (batch - len(b)))
+                        for b in own])
+    for t in range(max(steps, default=0)):
+        for c in range(active[t]):
+            expected_rows.append(batches[c][t][0])
+            expected_real.append(batches[c][t][1])
+    assert rows.tolist() == expected_rows and real.tolist() == expected_real
+    assert rows.shape == (sum(steps), batch) and real.shape == (sum(steps), batch)
+
+
 @pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},
                                       {"momentum": 0.5, "nesterov": True}])
 def test_a_narrowed_step_is_a_new_optimizer_on_the_first_rows(settings: dict) -> None:

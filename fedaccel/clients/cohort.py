@@ -227,24 +227,30 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
     the client's generator."""
     steps = [epochs * math.ceil(m.data.num_examples / batch_size) for m in members]
     sizes = [m.data.num_examples for m in members]
-    shape = (len(members), max(steps), batch_size)
-    # filled in NumPy (a slice assignment there costs a tenth of torch's);
-    # row c holds client c's sample order, -1 where its batches are padded
-    plan = np.full((shape[0], shape[1] * batch_size), -1, dtype=np.int64)
+    # filled in NumPy (a slice assignment there costs a tenth of torch's),
+    # client by client: client c's steps are the rows first[c] ... of the
+    # client-major plan, its samples offset to where its data starts in the
+    # concatenated data, -1 where an epoch's last batch is padded
+    first = np.cumsum([0, *steps], dtype=np.int64)
+    plan = np.full(int(first[-1]) * batch_size, -1, dtype=np.int64)
+    offset = 0
     for c, (m, n) in enumerate(zip(members, sizes)):
         width = math.ceil(n / batch_size) * batch_size  # one epoch, its last batch padded
         for e in range(epochs):
-            plan[c, e * width:e * width + n] = torch.randperm(n, generator=m.generator).numpy()
-    real = plan >= 0
-    offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)[:, None]  # where each client's data starts
-    index = np.where(real, plan + offsets, 0)
-    # [C, T*B] -> [T, C, B], then only the (step, client) pairs that train: t-major, cohort order
-    active = (np.asarray(steps)[None, :] > np.arange(shape[1])[:, None]).sum(axis=1)  # [T]
-    training = np.arange(shape[0])[None, :] < active[:, None]  # [T, C]
-    index = index.reshape(shape).transpose(1, 0, 2)[training]
-    real = real.reshape(shape).transpose(1, 0, 2)[training]
-    return (torch.from_numpy(np.ascontiguousarray(index)).to(device),
-            torch.from_numpy(np.ascontiguousarray(real)).float().to(device), active.tolist(), steps)
+            at = int(first[c]) * batch_size + e * width
+            plan[at:at + n] = torch.randperm(n, generator=m.generator).numpy() + offset
+        offset += n
+    plan = plan.reshape(-1, batch_size)
+    # step-major: the row of (step t, client c) is start[t] + c
+    active = (np.asarray(steps)[None, :] > np.arange(max(steps))[:, None]).sum(axis=1)  # [T]
+    start = np.cumsum([0, *active[:-1]], dtype=np.int64)
+    client = np.repeat(np.arange(len(members)), steps)
+    step = np.arange(len(plan)) - np.repeat(first[:-1], steps)
+    index = np.empty_like(plan)
+    index[start[step] + client] = plan
+    real = index >= 0
+    index[~real] = 0
+    return (torch.from_numpy(index).to(device), torch.from_numpy(real).float().to(device), active.tolist(), steps)
 
 
 class _Stacked:
