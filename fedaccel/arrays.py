@@ -171,6 +171,26 @@ _METRIC_SCALARS = frozenset({int, float})  # what MetricRecord takes as it is (n
 _CONFIG_SCALARS = frozenset({int, float, str, bytes, bool})
 
 
+_RECORD_TYPES = (ArrayRecord, MetricRecord, ConfigRecord)  # what a RecordDict holds
+
+
+def record_dict(records: Mapping[str, ArrayRecord | MetricRecord | ConfigRecord]) -> RecordDict:
+    """``RecordDict(dict(records))``: a message's content. Filled directly
+    when every key is a ``str`` and every value one of Flower's three record
+    types (the constructor's own checks, made here: 7 us a reply's content
+    through the constructor, 2 us filled), else through the constructor (its
+    ``TypeError``)."""
+    if _FILL_RECORDS and all(type(k) is str and isinstance(v, _RECORD_TYPES) for k, v in records.items()):
+        return _filled_record_dict(records)
+    return RecordDict(dict(records))
+
+
+def _filled_record_dict(records: Mapping[str, ArrayRecord | MetricRecord | ConfigRecord]) -> RecordDict:
+    content = RecordDict()
+    content.__dict__["_data"].update(records)
+    return content
+
+
 def metric_record(values: Mapping[str, object]) -> MetricRecord:
     """``MetricRecord(values)``; filled directly when every key is a ``str``
     and every value a plain ``int`` or ``float``, else (lists, NumPy
@@ -212,8 +232,13 @@ def _filling_matches() -> bool:
             return False
         items = [("a", built), ("b", _constructed_array("float32", (2,), data))]
         record, direct = _constructed_record(items), _filled_record(items)
-        return (type(record) is type(direct) and record.__dict__ == direct.__dict__
-                and list(record.items()) == list(direct.items()))
+        if not (type(record) is type(direct) and record.__dict__ == direct.__dict__
+                and list(record.items()) == list(direct.items())):
+            return False
+        records = {"arrays": record, "metrics": MetricRecord(scalars), "config": ConfigRecord(scalars)}
+        content, filled_content = RecordDict(dict(records)), _filled_record_dict(records)
+        return (type(content) is type(filled_content) and content.__dict__ == filled_content.__dict__
+                and list(content.items()) == list(filled_content.items()))
     except Exception:  # noqa: BLE001 - any surprise: use the constructors
         return False
 

@@ -92,6 +92,24 @@ def test_scalar_records_refuse_what_flower_refuses(build, cls, values):
     assert str(ours.value) == str(flowers.value)
 
 
+def test_a_record_dict_is_the_one_flowers_constructor_builds():
+    """``record_dict``: the RecordDict Flower's constructor builds (fields,
+    items in order, the records themselves); what Flower refuses (a record
+    of another kind, a key that is not a ``str``) raises Flower's own
+    ``TypeError``."""
+    records = {"arrays": ArrayRecord({"w": Array(np.ones(2, dtype=np.float32))}),
+               "metrics": MetricRecord({"num-examples": 3}), "config": ConfigRecord({"lr": 0.1})}
+    ours, flowers = arrays_module.record_dict(records), RecordDict(dict(records))
+    assert type(ours) is RecordDict and ours.__dict__ == flowers.__dict__
+    assert list(ours.items()) == list(flowers.items()) and ours["arrays"] is records["arrays"]
+    for bad in ({"x": {"not": "a record"}}, {3: MetricRecord({"n": 1})}):
+        with pytest.raises(TypeError) as ours_error:
+            arrays_module.record_dict(bad)
+        with pytest.raises(TypeError) as flowers_error:
+            RecordDict(dict(bad))
+        assert str(ours_error.value) == str(flowers_error.value)
+
+
 def test_filling_is_checked_against_flowers_constructors(monkeypatch):
     """The direct filling is used only where it equals the constructors: an
     Array whose constructor leaves another field makes the check fail."""
@@ -113,6 +131,15 @@ def test_filling_is_checked_against_flowers_constructors(monkeypatch):
         original_setitem(self, key, value)
         self.__dict__["_new_in_some_version"] = 1
     monkeypatch.setattr(MetricRecord, "__setitem__", setitem_with_extra_field)
+    assert not arrays_module._filling_matches()
+    monkeypatch.undo()
+    original_init = RecordDict.__init__
+
+    def content_with_extra_field(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if args and args[0]:  # filled through the constructor only
+            self.__dict__["_new_in_some_version"] = 1
+    monkeypatch.setattr(RecordDict, "__init__", content_with_extra_field)
     assert not arrays_module._filling_matches()
 
 

@@ -197,7 +197,7 @@ def test_piped_error_is_one_plain_line(tmp_path):
 
 
 @pytest.mark.parametrize("batching,where", [("off", "fedaccel.clients.base.LocalSolver.run_epochs"),
-                                            ("auto", "fedaccel.clients.cohort.train_cohort")])
+                                            ("auto", "fedaccel.clients.cohort.train_stacked")])
 def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch, batching, where):
     """Every client of a round fails (one after another, or batched): one line
     with the cause, exit 4, and the run folder says failed (with that line)

@@ -239,8 +239,10 @@ def test_clients_that_received_different_models_each_start_from_their_own(algo: 
 
 def test_step_by_step_gathering_gives_the_same_bits_as_gathering_once(monkeypatch) -> None:
     """A round whose batches would take too much memory to gather at once
-    (``GATHER_ONCE_BYTES``) gathers them step by step: the same rows, so the
-    same weights and metrics to the bit (two epochs: ragged clients leave)."""
+    (``GATHER_ONCE_BYTES``) gathers them step by step, and each step forms
+    its own ``nll_loss`` backward instead of taking its rows of the round's:
+    the same rows and values, so the same weights and metrics to the bit (two
+    epochs: ragged clients leave)."""
     cfg = run_cfg("fedprox", **{"batch-size": 16, "local-epochs": 2})
     model, datas = make_model(), clients()
 
@@ -259,6 +261,24 @@ def test_step_by_step_gathering_gives_the_same_bits_as_gathering_once(monkeypatc
     assert once[1] == by_step[1]
     for a, b in zip(once[0], by_step[0]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_rounds_nll_gradients_are_each_steps_scatter_of_the_label_gradients(monkeypatch) -> None:
+    """``round_nll_gradients``: ``label_grad`` at each label, zeros elsewhere,
+    ``[K, classes, B]`` (by hand on 2 mini-batches of 3 classes); None past
+    ``GATHER_ONCE_BYTES`` and for a model without its own backward."""
+    model = make_model()
+    params = {n: p.detach().unsqueeze(0) for n, p in model.named_parameters()}
+    target = torch.tensor([[[2, 0]], [[1, 1]]])
+    label_grad = torch.tensor([[[-0.5, -0.5]], [[-1.0, 0.0]]])
+    dense = cohort_module.round_nll_gradients(model, params, target, label_grad)
+    assert torch.equal(dense, torch.tensor([[[0.0, -0.5], [0.0, 0.0], [-0.5, 0.0]],
+                                            [[0.0, 0.0], [-1.0, 0.0], [0.0, 0.0]]]))
+    monkeypatch.setattr(cohort_module, "GATHER_ONCE_BYTES", dense.numel() * 4 - 1)
+    assert cohort_module.round_nll_gradients(model, params, target, label_grad) is None
+    conv = make_model(name="cnn", shape=(1, 28, 28))
+    assert cohort_module.round_nll_gradients(conv, {n: p.detach().unsqueeze(0) for n, p in conv.named_parameters()},
+                                             target, label_grad) is None
 
 
 def test_a_round_without_steps_returns_the_start_weights() -> None:

@@ -168,7 +168,7 @@ def test_client_failure_is_reported_not_hidden(tmp_path, monkeypatch, batching):
     if batching == "off":
         monkeypatch.setattr(fedaccel.clients.base.LocalSolver, "run_epochs", broken)
     else:
-        monkeypatch.setattr(fedaccel.clients.cohort, "train_cohort", broken)
+        monkeypatch.setattr(fedaccel.clients.cohort, "train_stacked", broken)
     from fedaccel.errors import RoundFailedError
 
     with pytest.raises(RoundFailedError, match="all 3 sampled clients failed.*disk on fire"):

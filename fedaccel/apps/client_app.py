@@ -40,7 +40,7 @@ from fedaccel.clients.state import ClientState, choose_backend, open_client_stat
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
 from fedaccel.client_errors import exception_reply
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
-from fedaccel.arrays import load_into, metric_record, records_of
+from fedaccel.arrays import load_into, metric_record, record_dict, records_of
 from fedaccel.contract import ContractError
 from fedaccel.config import RunConfig, config_error
 from fedaccel.registry import get_algorithm
@@ -278,10 +278,8 @@ def _received(msg: Message) -> dict:
 
 
 def _train_reply(msg: Message, result: LocalResult) -> Message:
-    content = RecordDict({"arrays": result.arrays, "metrics": metric_record(result.metrics)})
-    for key, record in result.extra.items():
-        content[key] = record
-    return Message(content=content, reply_to=msg)
+    return Message(content=record_dict({"arrays": result.arrays, "metrics": metric_record(result.metrics),
+                                        **result.extra}), reply_to=msg)
 
 
 def cohort_fallback(context: Context) -> str | None:

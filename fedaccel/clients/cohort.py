@@ -321,6 +321,7 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
     counts = real.sum(dim=1)  # [K]: each client's real samples per step
     # every step's labels and loss gradients at once, [K, 1, B]
     target, label_grad = y_steps.unsqueeze(1), label_gradients(real, counts, weights[0].dtype)
+    nll_grad = round_nll_gradients(model, dict(zip(names, weights)), target, label_grad)  # [K, classes, B] or None
     label_log_probs = []
     active = len(cohort)
     plain_rule = not template.edits_gradients()
@@ -337,7 +338,8 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
             tensors = {k: [v[:still] for v in vs] for k, vs in tensors.items()}
             active = still
         end = start + active
-        grads, log_probs = grads_of(holder, x_rows(start, end), target[start:end], label_grad[start:end])
+        grads, log_probs = grads_of(holder, x_rows(start, end), target[start:end], label_grad[start:end],
+                                    None if nll_grad is None else nll_grad[start:end])
         for p, g in zip(holder, grads):
             p.grad = g
         if not plain_rule:  # the solver's own rule, on every client at once
@@ -369,16 +371,18 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
     return weights, rows_out, metrics_out
 
 
-GradsOf = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor],
+GradsOf = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
                    tuple[tuple[torch.Tensor, ...], torch.Tensor]]
 
 
 def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
-    """``grads_of(params, x, target, label_grad)``: every client's gradient
-    of its mean loss over its real samples (``params`` stacked in
-    ``model.parameters()`` order, ``x`` ``[C, B, ...]``, ``target`` ``[C, 1,
-    B]`` the labels, ``label_grad`` ``[C, 1, B]`` from :func:`label_gradients`),
-    and each sample's log-probability of its label ``[C, 1, B]``
+    """``grads_of(params, x, target, label_grad, nll_grad=None)``: every
+    client's gradient of its mean loss over its real samples (``params``
+    stacked in ``model.parameters()`` order, ``x`` ``[C, B, ...]``, ``target``
+    ``[C, 1, B]`` the labels, ``label_grad`` ``[C, 1, B]`` from
+    :func:`label_gradients`, ``nll_grad`` these steps' rows of
+    :func:`round_nll_gradients` when it gave them), and each sample's
+    log-probability of its label ``[C, 1, B]``
     (:func:`losses_from_label_log_probs` turns them into the losses).
 
     The model's own ``batched_loss_and_grads`` when it has one (the MLPs of
@@ -389,13 +393,13 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     names = [n for n, _ in model.named_parameters()]
     own = own_batched(model, "batched_loss_and_grads")
     if own is not None:
-        def written_out(params, x, target, label_grad):
-            grads, label_log_probs = own(dict(zip(names, params)), x, target, label_grad)
+        def written_out(params, x, target, label_grad, nll_grad=None):
+            grads, label_log_probs = own(dict(zip(names, params)), x, target, label_grad, nll_grad)
             return tuple(grads[n] for n in names), label_log_probs
         return written_out
     forward = batched_forward(model)
 
-    def through_autograd(params, x, target, label_grad):
+    def through_autograd(params, x, target, label_grad, nll_grad=None):  # nll_grad: autograd forms its own
         out = forward(dict(zip(names, params)), x)  # [C, B, classes]
         # classes as dim 1: the MLPs' logits are a view of a [C, classes, B]
         # result, which log-softmax reads contiguously (5x faster than [C*B, classes])
@@ -404,6 +408,21 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
         # as for ((ce * real).sum(1) / count).sum()
         return torch.autograd.grad((ce * -label_grad.squeeze(1)).sum(), params), -ce.detach().unsqueeze(1)
     return through_autograd
+
+
+def round_nll_gradients(model: torch.nn.Module, params: dict[str, torch.Tensor], target: torch.Tensor,
+                        label_grad: torch.Tensor) -> torch.Tensor | None:
+    """A round's ``nll_loss`` backward for every step at once ``[K, classes,
+    B]``, from the model's own ``nll_gradients`` (the MLPs: the scatter their
+    written-out backward would make each step), when it has one and the
+    result fits in ``GATHER_ONCE_BYTES``; else None (each step forms its own)."""
+    own = own_batched(model, "nll_gradients")
+    if own is None or own_batched(model, "batched_loss_and_grads") is None:
+        return None
+    classes = own(params, target[:0], label_grad[:0]).shape[1]  # an empty call, for its shape
+    if target.numel() * classes * label_grad.element_size() > GATHER_ONCE_BYTES:
+        return None
+    return own(params, target, label_grad)
 
 
 def label_gradients(real: torch.Tensor, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -470,14 +489,17 @@ class FunctionalSGD:
             for p, buffer in zip(live, buffers):
                 self.state[p]["momentum_buffer"] = buffer
 
-    def narrowed(self, keep: int) -> tuple[list[torch.nn.Parameter], FunctionalSGD]:
+    def narrowed(self, keep: int) -> tuple[list[torch.Tensor], FunctionalSGD]:
         """The same step on the first ``keep`` rows only (the clients still
         training): new parameters and momentum buffers that are views of the
         first ``keep`` rows of these (no copy: the steps go on writing into
         the stacked weights; the rows after ``keep`` stay as they are). What
         :func:`_retire` does, without building a new optimizer (40 us, 25
-        times a round of 100 ragged clients)."""
-        new = [torch.nn.Parameter(p.detach()[:keep]) for p in self.params]
+        times a round of 100 ragged clients). The new parameters are plain
+        leaf tensors that require grad as these do (the autograd path takes
+        the gradient by them): nothing here needs ``Parameter``, whose
+        constructor costs more than the view."""
+        new = [p.detach()[:keep].requires_grad_(p.requires_grad) for p in self.params]
         state: dict = defaultdict(dict)
         for old_p, new_p in zip(self.params, new):
             buf = self.state[old_p].get("momentum_buffer") if old_p in self.state else None

@@ -59,7 +59,8 @@ class LinearChain:
         for klass in cls.__mro__:
             if "chain" in vars(klass):
                 return True
-            if {"forward", "batched_forward", "batched_loss_and_grads", "_activations"} & set(vars(klass)):
+            if {"forward", "batched_forward", "batched_loss_and_grads", "nll_gradients",
+                "_activations"} & set(vars(klass)):
                 return False
         return False
 
@@ -79,8 +80,22 @@ class LinearChain:
         return cls._activations(p, x)[-1].transpose(1, 2)
 
     @classmethod
+    def nll_gradients(cls, p: dict[str, torch.Tensor], target: torch.Tensor,
+                      label_grad: torch.Tensor) -> torch.Tensor:
+        """``nll_loss``'s backward for any number of mini-batches at once:
+        ``label_grad`` ``[K, 1, B]`` scattered at each label ``target`` ``[K,
+        1, B]`` into zeros ``[K, classes, B]`` (``classes`` the last layer's
+        outputs). Row by row what :meth:`batched_loss_and_grads` forms itself
+        when it is not given ``nll_grad``: the cohort trainer forms a round's
+        at once, two kernels fewer a step."""
+        bias = p[f"{cls.chain[-1]}.bias"]
+        shape = (target.shape[0], bias.shape[-1], target.shape[-1])
+        return torch.zeros(shape, dtype=label_grad.dtype, device=label_grad.device).scatter_(1, target, label_grad)
+
+    @classmethod
     def batched_loss_and_grads(cls, p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor,
-                               label_grad: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                               label_grad: torch.Tensor,
+                               nll_grad: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Each client's gradient of its mean cross-entropy over its real
         samples, and each sample's log-probability of its label.
 
@@ -94,12 +109,13 @@ class LinearChain:
         p)`` with ``losses = (cross_entropy(logits, y, 'none') * real).sum(1) /
         count``, and ``log_softmax(logits)`` at each label ``[C, 1, B]`` (minus
         each sample's cross-entropy, bit for bit: the trainer reduces them to
-        the losses once per round, not once per step)."""
+        the losses once per round, not once per step). ``nll_grad``: these
+        mini-batches' rows of :meth:`nll_gradients`, if formed already."""
         with torch.no_grad():
             acts = cls._activations(p, x)
             log_probs = torch.log_softmax(acts[-1], dim=1)  # cross_entropy = log_softmax + nll_loss
             # nll_loss's backward: label_grad scattered at each label
-            grad = torch.zeros_like(log_probs).scatter_(1, target, label_grad)
+            grad = torch.zeros_like(log_probs).scatter_(1, target, label_grad) if nll_grad is None else nll_grad
             grad = torch._log_softmax_backward_data(grad, log_probs, 1, log_probs.dtype)
             grads: dict[str, torch.Tensor] = {}
             for i in range(len(cls.chain) - 1, -1, -1):

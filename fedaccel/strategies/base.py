@@ -53,13 +53,13 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedaccel.clients.composition import server_update_transforms
-from fedaccel.arrays import config_record, from_numpy, records_of, to_numpy, views_reused
+from fedaccel.arrays import config_record, from_numpy, record_dict, records_of, to_numpy, views_reused
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
@@ -499,11 +499,11 @@ def _with_config(message: Message, updates: dict[str, Any]) -> Message:
     # content["config"], not content.config_records[...]: that builds a synced
     # view of every record (about 25 us a message)
     records["config"] = config_record({**dict(content["config"]), **updates})
-    return Message(RecordDict(records), message.metadata.dst_node_id, message.metadata.message_type)
+    return Message(record_dict(records), message.metadata.dst_node_id, message.metadata.message_type)
 
 
 def _with_records(message: Message, records: dict[str, ArrayRecord]) -> Message:
     """A copy of a training message with extra records added (arrays shared)."""
     content = dict(message.content.items())
     content.update(records)
-    return Message(RecordDict(content), message.metadata.dst_node_id, message.metadata.message_type)
+    return Message(record_dict(content), message.metadata.dst_node_id, message.metadata.message_type)
