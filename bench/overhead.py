@@ -264,6 +264,8 @@ def no_steps_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     import fedaccel.clients.cohort as cohort
 
     def no_steps(model, members, lr, epochs, batch_size):  # train_stacked's results, no step taken
+        if not members:
+            return [], [], []
         starts = [torch.stack([m.start[i] for m in members]) for i in range(len(members[0].start))]
         return (starts, list(range(len(members))),
                 [{"train-loss": 0.0, "local-steps": epochs * math.ceil(m.data.num_examples / batch_size)}

@@ -102,6 +102,7 @@ def test_a_record_dict_is_the_one_flowers_constructor_builds():
     ours, flowers = arrays_module.record_dict(records), RecordDict(dict(records))
     assert type(ours) is RecordDict and ours.__dict__ == flowers.__dict__
     assert list(ours.items()) == list(flowers.items()) and ours["arrays"] is records["arrays"]
+    assert arrays_module._content_filling_matches()
     for bad in ({"x": {"not": "a record"}}, {3: MetricRecord({"n": 1})}):
         with pytest.raises(TypeError) as ours_error:
             arrays_module.record_dict(bad)
@@ -140,7 +141,7 @@ def test_filling_is_checked_against_flowers_constructors(monkeypatch):
         if args and args[0]:  # filled through the constructor only
             self.__dict__["_new_in_some_version"] = 1
     monkeypatch.setattr(RecordDict, "__init__", content_with_extra_field)
-    assert not arrays_module._filling_matches()
+    assert not arrays_module._content_filling_matches() and arrays_module._filling_matches()
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():

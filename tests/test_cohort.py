@@ -569,6 +569,34 @@ def test_no_upload_is_built_for_a_model_with_buffers() -> None:
     weights = [torch.stack([p.detach()] * 2) for p in model.parameters()]
     member = CohortMember(get_algorithm("fedavg").solver(run_cfg("fedavg")), clients()[0], torch.Generator(), [])
     assert cohort_module._weight_records(state, slots, weights, [0, 1], [(0, member), (1, member)]) == [None, None]
+    # nor for a parameter that is not C-contiguous (Flower writes its upload in Fortran order)
+    transposed = torch.nn.Linear(3, 2)
+    transposed.weight = torch.nn.Parameter(torch.randn(3, 2).t())
+    state = transposed.state_dict()
+    weights = [torch.stack([p.detach()] * 2) for p in transposed.parameters()]
+    assert cohort_module._weight_records(state, [0, 1], weights, [0, 1], [(0, member), (1, member)]) == [None, None]
+
+
+def test_a_models_own_backward_without_nll_gradients_is_called_as_before() -> None:
+    """A model whose own ``batched_loss_and_grads`` takes no ``nll_grad``
+    (and has no ``nll_gradients``) is called with its four arguments."""
+    from fedaccel.clients.cohort import batched_loss_and_grads
+
+    class Own(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(2))
+
+        @staticmethod
+        def batched_loss_and_grads(p, x, target, label_grad):
+            return {"w": p["w"] * 0 + 1}, label_grad
+
+    model = Own()
+    assert cohort_module.round_nll_gradients(model, {"w": torch.zeros(1, 2)}, torch.zeros(1, 1, 2, dtype=torch.long),
+                                             torch.zeros(1, 1, 2)) is None
+    grads, out = batched_loss_and_grads(model)([torch.zeros(1, 2)], torch.zeros(1, 2, 2),
+                                               torch.zeros(1, 1, 2, dtype=torch.long), torch.ones(1, 1, 2))
+    assert torch.equal(grads[0], torch.ones(1, 2)) and torch.equal(out, torch.ones(1, 1, 2))
 
 
 def test_a_subclass_that_changes_forward_is_not_batched_as_its_parent() -> None:

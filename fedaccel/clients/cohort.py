@@ -394,7 +394,10 @@ def batched_loss_and_grads(model: torch.nn.Module) -> GradsOf:
     own = own_batched(model, "batched_loss_and_grads")
     if own is not None:
         def written_out(params, x, target, label_grad, nll_grad=None):
-            grads, label_log_probs = own(dict(zip(names, params)), x, target, label_grad, nll_grad)
+            named = dict(zip(names, params))
+            # nll_grad only where round_nll_gradients gave it (a model with nll_gradients)
+            grads, label_log_probs = (own(named, x, target, label_grad) if nll_grad is None
+                                      else own(named, x, target, label_grad, nll_grad))
             return tuple(grads[n] for n in names), label_log_probs
         return written_out
     forward = batched_forward(model)
@@ -562,7 +565,11 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     exactly as in ``fit`` (contract checks, commit protocol, ``begin_round``,
     ``end_round``, ``upload``), with ``model`` as the scratch model they read
     and write; only ``local_training`` is replaced: each client's
-    ``before_steps``, then :func:`train_cohort`.
+    ``before_steps``, then :func:`train_stacked` (the steps of :func:`train_cohort`).
+    For a solver that uploads its trained weights as they are
+    (:meth:`LocalSolver.uploads_trained_weights`), the upload is built from
+    the stacked weights (:func:`_weight_records`) and handed to
+    ``close_round``, instead of loaded into ``model`` and read back.
     Jobs with the same learning rate and epoch count train together, at most
     ``max_clients`` at a time (chunks one after another: each client's
     gradient is its own, so chunking changes nothing but memory). An
@@ -633,8 +640,10 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
     member's weights are loaded, byte for byte, without loading them (a
     third of the per-client cost of a batched FedAvg round). None for the
     others, and for everyone when the model's state holds more than its
-    parameters (buffers), in another order."""
-    if not weights or list(range(len(model_state))) != param_slots:
+    parameters (buffers), in another order, or a parameter that is not
+    C-contiguous (whose upload Flower writes in its own order)."""
+    if (not weights or list(range(len(model_state))) != param_slots
+            or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)
     names, stacked = list(model_state), [w.detach().cpu().numpy() for w in weights]  # one copy off a GPU
     return [arrays_to_record((name, from_numpy(a[row])) for name, a in zip(names, stacked))
