@@ -38,7 +38,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, RecordDict
 
 from fedaccel.arrays import arrays_to_record, config_record, from_tensor, records_of, to_numpy
 
