@@ -389,6 +389,15 @@ def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, co
     assert torch.equal(stacked, torch.cat([losses.detach(), losses.detach().flip(0)]))
 
 
+def step_both(optimizer: torch.optim.Optimizer, step, a: list, b: list, grads: list[torch.Tensor]) -> None:
+    """Give ``a`` and ``b`` copies of the same gradients, then step ``a`` with
+    ``optimizer.step()`` and ``b`` with the functional ``step``."""
+    for p, q, g in zip(a, b, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    optimizer.step()
+    step()
+
+
 @pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},
                                       {"momentum": 0.9, "dampening": 0.3},
                                       {"momentum": 0.5, "nesterov": True, "weight_decay": 1e-3},
@@ -402,10 +411,7 @@ def test_sgd_step_is_the_optimizers_step_bit_for_bit(settings: dict) -> None:
     optimizer, fast = torch.optim.SGD(a, lr=0.05, **settings), torch.optim.SGD(b, lr=0.05, **settings)
     step = sgd_step(fast)
     for g in grads:
-        for p, q, gi in zip(a, b, g):
-            p.grad, q.grad = gi.clone(), gi.clone()
-        optimizer.step()
-        step()
+        step_both(optimizer, step, a, b, g)
         for p, q in zip(a, b):
             assert torch.equal(p, q)
             assert set(optimizer.state[p]) == set(fast.state[q])  # the momentum buffer, where step() keeps one
@@ -508,11 +514,7 @@ def test_a_narrowed_step_is_a_new_optimizer_on_the_first_rows(settings: dict) ->
         if keep < len(pa[0]):
             pa, optimizer = cohort_module._retire(pa, optimizer, template, 0.05, keep)
             pb, step = step.narrowed(keep)
-        grads = [torch.randn_like(p) for p in pa]
-        for p, q, g in zip(pa, pb, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        optimizer.step()
-        step()
+        step_both(optimizer, step, pa, pb, [torch.randn_like(p) for p in pa])
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert not torch.equal(a[0][:1], start[0][:1]) and not torch.equal(a[0][3:], start[0][3:])

@@ -642,13 +642,13 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
     others, and for everyone when the model's state holds more than its
     parameters (buffers), in another order, or a parameter that is not
     C-contiguous (whose upload Flower writes in its own order)."""
-    if (not weights or list(range(len(model_state))) != param_slots
+    builds = [member.solver.uploads_trained_weights() for _, member in part]
+    if (not any(builds) or list(range(len(model_state))) != param_slots
             or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)
     names, stacked = list(model_state), [w.detach().cpu().numpy() for w in weights]  # one copy off a GPU
-    return [arrays_to_record((name, from_numpy(a[row])) for name, a in zip(names, stacked))
-            if member.solver.uploads_trained_weights() else None
-            for (_, member), row in zip(part, rows)]
+    return [arrays_to_record((name, from_numpy(a[row])) for name, a in zip(names, stacked)) if build else None
+            for build, row in zip(builds, rows)]
 
 
 def _load_weights(params: list[torch.nn.Parameter], weights: list[torch.Tensor]) -> None:

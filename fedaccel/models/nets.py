@@ -84,8 +84,8 @@ class LinearChain:
         """``nll_loss``'s backward for any number of mini-batches at once:
         ``label_grad`` ``[K, 1, B]`` scattered at each label ``target`` ``[K,
         1, B]`` into zeros ``[K, classes, B]`` (``classes`` the last layer's
-        outputs). Row by row what :meth:`batched_loss_and_grads` forms itself
-        when it is not given ``nll_grad``: the cohort trainer forms a round's
+        outputs). :meth:`batched_loss_and_grads` forms its mini-batches' own
+        when it is not given ``nll_grad``; the cohort trainer forms a round's
         at once, two kernels fewer a step."""
         bias = p[f"{cls.chain[-1]}.bias"]
         shape = (target.shape[0], bias.shape[-1], target.shape[-1])
@@ -114,7 +114,7 @@ class LinearChain:
             acts = cls._activations(p, x)
             log_probs = torch.log_softmax(acts[-1], dim=1)  # cross_entropy = log_softmax + nll_loss
             # nll_loss's backward: label_grad scattered at each label
-            grad = torch.zeros_like(log_probs).scatter_(1, target, label_grad) if nll_grad is None else nll_grad
+            grad = cls.nll_gradients(p, target, label_grad) if nll_grad is None else nll_grad
             grad = torch._log_softmax_backward_data(grad, log_probs, 1, log_probs.dtype)
             grads: dict[str, torch.Tensor] = {}
             for i in range(len(cls.chain) - 1, -1, -1):
