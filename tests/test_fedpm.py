@@ -7,6 +7,7 @@ Newton run).
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -526,3 +527,103 @@ def test_a_test1_run_of_the_fast_runner_is_the_bench_scripts_run_in_float64(monk
     _, gaps32, _, final32 = fast_run(precision="float32")
     assert final32["fc.weight"].dtype == np.float32
     assert 1e-12 < max(abs(a - b) for a, b in zip(gaps32[1:], gap[1:])) < 1e-5
+
+
+# ------------------------------------------------- the cohort's FOOF pass
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("max_bytes", [64 << 20, 1])  # all chunks at once, or one chunk at a time
+def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes):
+    """C clients' FOOF matrices at once, each at its own weights: ragged sizes
+    across chunk boundaries (1, 5, 7, 8, 9, 20 rows in chunks of 4), the
+    hidden layer's input included (relu of the client's first layer)."""
+    from fedaccel.models import build_model
+
+    torch.manual_seed(0)
+    template = build_model("mlp", (6,), 3).to(dtype)
+    sizes = [9, 1, 20, 8, 5, 7]
+    models, xs = [], []
+    for n in sizes:
+        m = build_model("mlp", (6,), 3).to(dtype)  # a different random model per client
+        models.append(m)
+        xs.append(torch.randn(n, 6, dtype=dtype))
+    weights = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
+               for name, _ in template.named_parameters()}
+    layers = [name for name, _ in foof.foof_layers(template)]
+    got = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=4, max_bytes=max_bytes)
+    assert list(got) == layers
+    for c, (m, x) in enumerate(zip(models, xs)):
+        want = foof.compute_foof(m, x, batch_size=4)
+        for name in layers:
+            assert got[name][c].dtype == torch.float64
+            torch.testing.assert_close(got[name][c], want[name], rtol=rtol, atol=rtol, msg=f"client {c} {name}")
+    # and independently of compute_foof: the first layer's matrix is [x | 1]^T [x | 1] / n
+    x = xs[2].to(torch.float64)
+    xt = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    torch.testing.assert_close(got[layers[0]][2], xt.T @ xt / len(x), rtol=rtol, atol=rtol)
+
+
+def fedpm_jobs(cfg, model, datas):
+    from fedaccel.clients.cohort import CohortJob
+    from fedaccel.clients.state import ContextState
+    from fedaccel.torch_utils import state_to_arrays
+    from flwr.app import RecordDict
+
+    start = state_to_arrays(model)
+    return [CohortJob(solver=FedPMSolver(cfg), data=data, arrays=start, config=train_config_record(1, 0.1, 1),
+                      state=ContextState(RecordDict()), generator=torch.Generator().manual_seed(c))
+            for c, data in enumerate(datas)]
+
+
+@pytest.mark.parametrize("upload", ["auto", "end"])
+def test_a_batched_fedpm_round_makes_no_per_client_foof_pass(monkeypatch, upload):
+    """With an MLP the cohort trainer forms every client's FOOF matrices in
+    one batched pass before the steps (and one after them for
+    ``upload='end'``), not one pass per client; a CNN has no batched layer
+    inputs and keeps the per-client pass (its equivalence: test_cohort)."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    calls = count_foof(monkeypatch)
+    stacked = []
+    real = foof.stacked_foof
+    monkeypatch.setattr(foof, "stacked_foof", lambda *a, **k: stacked.append(len(a[3])) or real(*a, **k))
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4, "fedpm.upload": upload})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
+    results = fit_cohort(build_model("mlp", (6,), 3), fedpm_jobs(cfg, build_model("mlp", (6,), 3), datas), 4)
+    assert all(PRECOND_KEY in r.extra for r in results)
+    assert calls == []
+    assert stacked == ([3, 3] if upload == "end" else [3])
+    cnn = build_model("cnn-small", (1, 8, 8), 3)
+    images = [TrainData(torch.randn(n, 1, 8, 8), torch.randint(0, 3, (n,))) for n in (5, 3)]
+    stacked.clear()
+    fit_cohort(cnn, fedpm_jobs(cfg, cnn, images), 4)
+    assert stacked == [] and len(calls) == 2 * (2 if upload == "end" else 1)
+
+
+def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
+    """A client whose damped FOOF matrix has no Cholesky factor gets the
+    error its own before_steps raises; the other clients of the batch train
+    and reply as usual."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    real = foof.damped_cholesky_ex
+
+    def second_client_fails(a, damping):
+        factor, info = real(a, damping)
+        if a.dim() == 3:
+            info = info.clone()
+            info[1] = 2
+        return factor, info
+    monkeypatch.setattr(foof, "damped_cholesky_ex", second_client_fails)
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
+    model = build_model("mlp", (6,), 3)
+    results = fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4, errors=(ValueError,))
+    assert isinstance(results[1], ValueError) and "not positive definite" in str(results[1])
+    assert "fedpm.damping" in str(results[1])
+    assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
+    with pytest.raises(ValueError, match="not positive definite"):  # an error type the caller does not reply
+        fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)

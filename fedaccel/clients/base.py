@@ -116,6 +116,26 @@ class LocalSolver:
         pass); a draw from ``generator`` here comes before the steps' own
         mini-batch permutations, in both trainers. Default: nothing."""
 
+    def cohort_before_steps(self, model: torch.nn.Module, members: list[Any],
+                            layer_inputs: Any = None) -> list[BaseException | None] | None:
+        """:meth:`before_steps` of a chunk of the cohort trainer's members at
+        once (``self`` is the first member's solver; every member's is of this
+        class, each member with its own ``data``, ``generator`` and starting
+        weights ``start``); ``layer_inputs``: the model's
+        ``batched_layer_inputs``, or None when it has none. Returns None when
+        it cannot (the trainer then calls each member's :meth:`before_steps`),
+        else per member None or the exception its own :meth:`before_steps`
+        would have raised. Default: None."""
+        return None
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list[Any], weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs: Any = None) -> None:
+        """Work of the members' :meth:`end_round` on their trained weights,
+        for a chunk of the cohort at once, before each member's ``close_round``
+        (FedPM's FOOF pass with ``upload='end'``): ``weights`` stacked as the
+        cohort trainer holds them, member ``c``'s in row ``rows[c]``; other
+        arguments as :meth:`cohort_before_steps`. Default: nothing."""
+
     def cohort_bytes(self, model: torch.nn.Module) -> int:
         """Memory this solver keeps per client while a cohort trains, beyond
         the model-sized copies the cohort trainer counts itself (bytes; used

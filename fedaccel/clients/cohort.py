@@ -606,14 +606,23 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
+    layer_inputs = own_batched(model, "batched_layer_inputs")
     for (lr, epochs), group in groups.items():
         # chunk by chunk, each client's work from before_steps to close_round,
         # so that only one chunk's per-client tensors (FedPM's FOOF factors) live at once
         for start in range(0, len(group), chunk):
-            part = []
-            for j, member in group[start:start + chunk]:
+            candidates, part = group[start:start + chunk], []
+            first = candidates[0][1].solver
+            alike = all(type(m.solver) is type(first) for _, m in candidates)  # one algorithm's solvers
+            prepared = None  # the chunk's before_steps at once, when the solver can (FedPM)
+            if alike and first.overrides("before_steps"):
+                prepared = first.cohort_before_steps(model, [m for _, m in candidates], layer_inputs)
+            for k, (j, member) in enumerate(candidates):
                 try:
-                    if member.solver.overrides("before_steps"):  # only FedPM has work there
+                    if prepared is not None:
+                        if prepared[k] is not None:
+                            raise prepared[k]
+                    elif member.solver.overrides("before_steps"):  # only FedPM has work there
                         _load_weights(params, member.start)
                         member.solver.before_steps(model, member.data, member.generator)  # as local_training
                 except errors as err:
@@ -621,6 +630,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                     continue
                 part.append((j, member))
             weights, rows, metrics = train_stacked(model, [m for _, m in part], lr, epochs, batch_size)
+            if part and alike:
+                part[0][1].solver.cohort_after_steps(model, [m for _, m in part], weights, rows, layer_inputs)
             uploads = _weight_records(model_state, param_slots, weights, rows, part)
             for (j, _), row, m, arrays in zip(part, rows, metrics, uploads):
                 if arrays is None:  # the solver reads its trained model

@@ -250,6 +250,62 @@ class FedPMSolver(LocalSolver):
         self._x_foof = self._foof_inputs(data, generator)
         self._refresh(model)
 
+    def _chain_layers(self, model: torch.nn.Module, layer_inputs) -> list[str] | None:
+        """The preconditioned layers when a batched FOOF pass can compute them
+        (the FOOF mode, one pass per round, a chain of ``Linear`` layers with
+        biases whose ``batched_layer_inputs`` the model has), else None."""
+        if layer_inputs is None or self.mode != "foof" or self.refresh_every:
+            return None
+        layers = list(foof.foof_layers(model))
+        names = [name for name, _ in layers]
+        if names != list(getattr(model, "chain", ())) or any(m.bias is None for _, m in layers):
+            return None
+        return names
+
+    def cohort_before_steps(self, model: torch.nn.Module, members: list, layer_inputs=None):
+        """:meth:`before_steps` of every member at once: each member's FOOF rows
+        drawn from its own generator as before, one batched FOOF pass at the
+        members' starting weights (:func:`fedaccel.clients.foof.stacked_foof`)
+        and the damped factors batched; a member whose matrix has no factor
+        gets :meth:`before_steps`'s error, the others go on."""
+        layers = self._chain_layers(model, layer_inputs)
+        if layers is None:
+            return None
+        names = [n for n, _ in model.named_parameters()]
+        weights = {n: torch.stack([m.start[i] for m in members]) for i, n in enumerate(names)}
+        for m in members:
+            m.solver._x_foof = m.solver._foof_inputs(m.data, m.generator)
+        used = foof.stacked_foof(layer_inputs, layers, weights, [m.solver._x_foof for m in members])
+        factors, infos = {}, {}
+        for name in layers:
+            factor, info = foof.damped_cholesky_ex(used[name], self.damping)
+            factors[name], infos[name] = factor.to(self.layers[name].weight.dtype), info.tolist()
+        problems: list[BaseException | None] = []
+        for c, m in enumerate(members):
+            m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
+            bad = [name for name in layers if infos[name][c] != 0]
+            if bad:
+                problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping))
+                continue
+            m.solver.factors = {name: factors[name][c] for name in layers}
+            problems.append(None)
+        return problems
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs=None) -> None:
+        """With ``upload='end'``: the members' FOOF pass at their trained
+        weights, batched; :meth:`end_round` uploads its result."""
+        if not self.uploads_preconditioners or self.upload_which != "end":
+            return
+        layers = self._chain_layers(model, layer_inputs)
+        if layers is None:
+            return
+        index = torch.tensor(rows, device=weights[0].device)
+        trained = {n: w.detach().index_select(0, index) for (n, _), w in zip(model.named_parameters(), weights)}
+        ends = foof.stacked_foof(layer_inputs, layers, trained, [m.solver._x_foof for m in members])
+        for c, m in enumerate(members):
+            m.solver._end_matrices = OrderedDict((name, ends[name][c]) for name in layers)
+
     def per_client_reason(self) -> str | None:
         """The FOOF mode with one preconditioner per round batches (its
         steps are :meth:`gradient_transform`); the exact Newton mode and a
@@ -289,6 +345,7 @@ class FedPMSolver(LocalSolver):
                               for name, m in self.layers.items()]
         self.step = 0
         self._newton_preconditioner: torch.Tensor | None = None
+        self._end_matrices: OrderedDict[str, torch.Tensor] | None = None
 
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         # Weight decay is added to p.grad *before* preconditioning (transform_gradients).
@@ -334,13 +391,15 @@ class FedPMSolver(LocalSolver):
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         # the round's matrices are done with after this (a cohort holds many clients' solvers)
         used, x_foof = getattr(self, "used", {}), getattr(self, "_x_foof", None)
-        self._x_foof, self.used, self.factors = None, {}, {}
+        ends = getattr(self, "_end_matrices", None)  # the cohort trainer's batched pass (cohort_after_steps)
+        self._x_foof, self.used, self.factors, self._end_matrices = None, {}, {}, None
         if not self.uploads_preconditioners:
             return {}
         if self.mode == "exact":
             return self._precond_record({"fc": self._newton_preconditioner}, next(model.parameters()).dtype)
         # 'used': the matrix of the last local step, no second FOOF pass.
-        matrices = used if self.upload_which == "used" else foof.compute_foof(model, x_foof)
+        matrices = (used if self.upload_which == "used"
+                    else ends if ends is not None else foof.compute_foof(model, x_foof))
         dtype = next(model.parameters()).dtype
         return self._precond_record(matrices, dtype)
 

@@ -36,10 +36,11 @@ project's models have none.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 import math
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,6 +119,69 @@ def compute_foof(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> Or
     return OrderedDict((name, sums[name] / max(counts[name], 1)) for name, _ in layers)
 
 
+@torch.no_grad()
+def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor], list[torch.Tensor]],
+                 layers: list[str], weights: dict[str, torch.Tensor], xs: list[torch.Tensor],
+                 batch_size: int = 128, max_bytes: int = 64 << 20) -> OrderedDict[str, torch.Tensor]:
+    """:func:`compute_foof` of C clients at once: client ``c``'s model has the
+    weights ``weights[name][c]`` (stacked by parameter name), its inputs are
+    ``xs[c]``; returns each layer's ``A`` stacked, ``[C, d, d]`` float64.
+
+    For models whose layers are a chain of ``Linear`` layers with biases
+    (:class:`fedaccel.models.nets.LinearChain`): ``layer_inputs(p, x)`` (its
+    ``batched_layer_inputs``) gives every layer's input feature-major,
+    ``[N, features, B]`` for N models' weights ``p`` and inputs ``x``
+    ``[N, B, ...]``, in the order of ``layers``.
+
+    The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
+    ``batch_size`` (its last chunk padded with zero rows, which add nothing),
+    each chunk's ``R^T R`` a product in the model's dtype, a client's chunks
+    summed in float64 in order, then divided by its rows. Here every chunk of
+    every client is one row of a batch (its client's weights gathered for
+    it), as many chunks at a time as fit in ``max_bytes``, and ``R^T R`` is
+    formed by blocks (the bias column, all ones, gives the row sums and the
+    row count) so that no copy of a layer's input with a column of ones is
+    made. Equal to :func:`compute_foof` to the model dtype's rounding (the
+    batched layers sum in another order), not bit for bit."""
+    if not xs:
+        return OrderedDict()
+    counts = np.array([int(x.shape[0]) for x in xs])
+    per_client = -(-counts // batch_size)  # chunks of each client
+    owner = np.repeat(np.arange(len(xs)), per_client)  # each chunk's client
+    first_chunk = np.repeat(np.cumsum(per_client) - per_client, per_client)
+    slot = (np.arange(len(owner)) - first_chunk)[:, None] * batch_size + np.arange(batch_size)  # [K, B]
+    valid = slot < counts[owner][:, None]
+    x_all = torch.cat(xs + [xs[0].new_zeros((1,) + xs[0].shape[1:])])  # a padded slot reads the zero row
+    row_index = np.where(valid, (np.cumsum(counts) - counts)[owner][:, None] + slot, x_all.shape[0] - 1)
+    device, dtype = x_all.device, weights[f"{layers[0]}.weight"].dtype
+    owner_t = torch.from_numpy(owner).to(device)
+    row_index_t = torch.from_numpy(row_index).to(device)
+    mask_t = torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(1)  # [K, 1, B]
+    real_t = torch.from_numpy(valid.sum(axis=1)).to(device=device, dtype=torch.float64)  # [K]
+    dims = [int(weights[f"{name}.weight"][0][0].numel()) for name in layers]  # inputs, without the bias
+    size = torch.finfo(dtype).bits // 8
+    per_chunk = (batch_size * (int(x_all[0].numel()) + 2 * sum(dims)) * size
+                 + sum(d * d for d in dims) * (size + 8) + sum(int(w[0].numel()) for w in weights.values()) * size)
+    step = max(1, max_bytes // per_chunk)
+    sums = [torch.zeros(len(xs), d + 1, d + 1, dtype=torch.float64, device=device) for d in dims]
+    for begin in range(0, len(owner), step):
+        end = min(begin + step, len(owner))
+        chunk_owner = owner_t[begin:end]
+        x = x_all.index_select(0, row_index_t[begin:end].reshape(-1)).to(dtype)
+        p = {k: v.index_select(0, chunk_owner) for k, v in weights.items()}
+        inputs = layer_inputs(p, x.view((end - begin, batch_size) + x_all.shape[1:]))
+        for i, (a, d) in enumerate(zip(inputs, dims)):
+            if i:  # a padded row's input to a later layer is not zero (the biases)
+                a = a * mask_t[begin:end]
+            sums[i][:, :d, :d].index_add_(0, chunk_owner, torch.bmm(a, a.mT).to(torch.float64))
+            row_sums = a.sum(dim=2).to(torch.float64)  # the bias column of R^T R
+            sums[i][:, :d, d].index_add_(0, chunk_owner, row_sums)
+            sums[i][:, d, :d].index_add_(0, chunk_owner, row_sums)
+            sums[i][:, d, d].index_add_(0, chunk_owner, real_t[begin:end])
+    divisor = torch.from_numpy(np.maximum(counts, 1)).to(device=device, dtype=torch.float64)[:, None, None]
+    return OrderedDict((name, s / divisor) for name, s in zip(layers, sums))
+
+
 # ------------------------------------------------- weight matrix views
 def weight_matrix(module: nn.Module, grad: bool = False) -> torch.Tensor:
     """``[W | b]`` (or its gradient) as an ``(out, input_dim)`` matrix (a copy)."""
@@ -142,14 +206,26 @@ def write_matrix(module: nn.Module, mat: torch.Tensor, grad: bool = False) -> No
 # ------------------------------------------------------------- algebra
 def damped_cholesky(a: torch.Tensor, damping: float) -> torch.Tensor:
     """Lower Cholesky factor of ``a + damping I`` (float64)."""
-    a = a.to(torch.float64)
-    eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-    factor, info = torch.linalg.cholesky_ex(a + damping * eye)
+    factor, info = damped_cholesky_ex(a, damping)
     if int(info) != 0:
-        raise ValueError(
-            f"FedPM: preconditioner of size {a.shape[0]} is not positive definite "
-            f"(damping={damping}); increase fedpm.damping (or weight-decay in the exact mode)")
+        raise not_positive_definite(a.shape[-1], damping)
     return factor
+
+
+def damped_cholesky_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lower Cholesky factors of ``a + damping I`` (float64) and
+    ``cholesky_ex``'s ``info`` (0 where a factor exists); leading dims of
+    ``a`` are batch dims (a cohort's clients)."""
+    a = a.to(torch.float64)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.linalg.cholesky_ex(a + damping * eye)
+
+
+def not_positive_definite(size: int, damping: float) -> ValueError:
+    """The error of a preconditioner without a Cholesky factor."""
+    return ValueError(
+        f"FedPM: preconditioner of size {size} is not positive definite "
+        f"(damping={damping}); increase fedpm.damping (or weight-decay in the exact mode)")
 
 
 def right_solve(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

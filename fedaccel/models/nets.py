@@ -59,18 +59,25 @@ class LinearChain:
             if "chain" in vars(klass):
                 return True
             if {"forward", "batched_forward", "batched_loss_and_grads", "nll_gradients",
-                "_activations"} & set(vars(klass)):
+                "batched_layer_inputs", "_activations"} & set(vars(klass)):
                 return False
         return False
 
     @classmethod
-    def _activations(cls, p: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's input, feature-major ``[C, features, B]``, then the logits ``[C, classes, B]``."""
+    def _activations(cls, p: dict[str, torch.Tensor], x: torch.Tensor, logits: bool = True) -> list[torch.Tensor]:
+        """Each layer's input, feature-major ``[C, features, B]``, then (``logits``) the logits ``[C, classes, B]``."""
         acts = [features_first(x)]
-        for i, name in enumerate(cls.chain):
+        for i, name in enumerate(cls.chain if logits else cls.chain[:-1]):
             z = batched_linear(acts[-1], p[f"{name}.weight"], p[f"{name}.bias"])
             acts.append(torch.relu(z) if i < len(cls.chain) - 1 else z)
         return acts
+
+    @classmethod
+    def batched_layer_inputs(cls, p: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer of ``chain``'s input for C models at once (weights ``p``
+        stacked, ``x`` ``[C, B, ...]``), feature-major ``[C, features, B]``
+        (FedPM's batched FOOF pass, :func:`fedaccel.clients.foof.stacked_foof`)."""
+        return cls._activations(p, x, logits=False)
 
     @classmethod
     def batched_forward(cls, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
