@@ -523,14 +523,17 @@ def test_a_narrowed_step_is_a_new_optimizer_on_the_first_rows(settings: dict) ->
             assert torch.equal(optimizer.state[p]["momentum_buffer"], step.state[q]["momentum_buffer"])
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "fedprox"])
-def test_uploads_built_from_the_stacked_weights_are_the_loaded_models_byte_for_byte(algo: str, monkeypatch) -> None:
-    """For a solver that uploads its trained weights as they are, the cohort
-    trainer builds each reply's ``arrays`` from the stacked weights instead of
-    loading them into the model and calling ``upload``: the same Arrays
-    (keys, dtype, shape, bytes), and the same for everyone else's path."""
-    assert get_algorithm(algo).solver.uploads_trained_weights()
-    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
+@pytest.mark.parametrize("algo, changes", [("fedavg", {}), ("fedprox", {}), ("fedpm", {}),
+                                           ("fedpm", {"fedpm.upload": "end"})])
+def test_uploads_built_from_the_stacked_weights_are_the_loaded_models_byte_for_byte(algo: str, changes: dict,
+                                                                                   monkeypatch) -> None:
+    """For a solver that uploads its trained weights as they are and reads no
+    model after the steps (FedAvg, FedProx; FedPM's FOOF mode, whose matrices
+    the trainer forms batched), the cohort trainer builds each reply's
+    ``arrays`` from the stacked weights instead of loading them into the
+    model and calling ``upload``: the same Arrays (keys, dtype, shape,
+    bytes), and the same extra records."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
     model, datas = make_model(), clients()
 
     def arrays_of_round() -> list:
@@ -539,14 +542,22 @@ def test_uploads_built_from_the_stacked_weights_are_the_loaded_models_byte_for_b
                           config=config_for(cfg.algo, 1), state=ContextState(RecordDict()),
                           generator=seeded_generator(cfg.seed, 1, c, "train"), received=received_for(algo, model))
                 for c, data in enumerate(datas)]
-        return [r.arrays for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)]
+        loads = []
+        real = cohort_module._load_weights
+        monkeypatch.setattr(cohort_module, "_load_weights", lambda *a: loads.append(1) or real(*a))
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+        return [(r.arrays, r.extra) for r in results], len(loads)
 
-    built = arrays_of_round()
-    monkeypatch.setattr(LocalSolver, "uploads_trained_weights", classmethod(lambda cls: False))
-    loaded = arrays_of_round()
-    for x, y in zip(built, loaded):
+    built, loads_built = arrays_of_round()
+    monkeypatch.setattr(type(get_algorithm(algo).solver(cfg)), "reads_trained_model", lambda self: True)
+    loaded, loads_loaded = arrays_of_round()
+    assert (loads_built, loads_loaded) == (0, len(datas))  # no client loaded into the model, or every one
+    for (x, ex), (y, ey) in zip(built, loaded):
         assert list(x.keys()) == list(y.keys())
         assert all(x[k].__dict__ == y[k].__dict__ for k in x.keys())
+        assert list(ex) == list(ey)
+        for name in ex:
+            assert all(ex[name][k].__dict__ == ey[name][k].__dict__ for k in ex[name].keys())
 
 
 def test_solvers_that_read_the_trained_model_upload_it_themselves() -> None:

@@ -236,6 +236,15 @@ class LocalSolver:
         is overridden (FedAvg, FedProx)."""
         return not cls.overrides("end_round") and not cls.overrides("upload")
 
+    def reads_trained_model(self) -> bool:
+        """Whether :meth:`close_round` still reads the trained model this
+        round (``end_round`` or ``upload``), so that the cohort trainer must
+        load the client's weights into it; when not, it builds the upload
+        from the stacked weights. Default: unless
+        :meth:`uploads_trained_weights`; FedPM's FOOF mode reads no model once
+        its matrices are formed."""
+        return not self.uploads_trained_weights()
+
     # ------------------------------------------------------------------ loop
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         """Plain SGD with the run's momentum and weight decay, fresh every round."""
@@ -333,10 +342,10 @@ class LocalSolver:
 
         ``arrays``: the upload, when the caller built it from the trained
         weights itself (the cohort trainer, which holds every client's weights
-        stacked); only for a solver that :meth:`uploads_trained_weights`,
+        stacked); only for a solver that does not :meth:`reads_trained_model`,
         whose ``end_round`` and ``upload`` do not read ``model`` then."""
         self.local_steps = int(metrics.get("local-steps", 0))
-        if arrays is not None and not self.uploads_trained_weights():
+        if arrays is not None and self.reads_trained_model():
             raise TypeError(f"{type(self).__name__} builds its own upload; close_round takes no arrays for it")
         extra = self.end_round(model, state)
         self.messages.check_records(self.cfg.algo, "to_server", extra)

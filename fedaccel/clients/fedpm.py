@@ -306,6 +306,16 @@ class FedPMSolver(LocalSolver):
         for c, m in enumerate(members):
             m.solver._end_matrices = OrderedDict((name, ends[name][c]) for name in layers)
 
+    def reads_trained_model(self) -> bool:
+        """The weights are uploaded as they are (no ``upload`` of its own);
+        ``end_round`` reads the trained model only for ``upload='end'``
+        before the cohort trainer formed the matrices (``cohort_after_steps``)
+        and in the exact mode."""
+        if self.mode == "exact":
+            return True
+        return (self.uploads_preconditioners and self.upload_which == "end"
+                and getattr(self, "_end_matrices", None) is None)
+
     def per_client_reason(self) -> str | None:
         """The FOOF mode with one preconditioner per round batches (its
         steps are :meth:`gradient_transform`); the exact Newton mode and a

@@ -173,11 +173,12 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
         for i, (a, d) in enumerate(zip(inputs, dims)):
             if i:  # a padded row's input to a later layer is not zero (the biases)
                 a = a * mask_t[begin:end]
-            sums[i][:, :d, :d].index_add_(0, chunk_owner, torch.bmm(a, a.mT).to(torch.float64))
-            row_sums = a.sum(dim=2).to(torch.float64)  # the bias column of R^T R
-            sums[i][:, :d, d].index_add_(0, chunk_owner, row_sums)
-            sums[i][:, d, :d].index_add_(0, chunk_owner, row_sums)
-            sums[i][:, d, d].index_add_(0, chunk_owner, real_t[begin:end])
+            full = torch.empty(end - begin, d + 1, d + 1, dtype=torch.float64, device=device)
+            full[:, :d, :d] = torch.bmm(a, a.mT)  # model dtype product, float64 sum
+            full[:, :d, d] = a.sum(dim=2)  # the bias column of R^T R: row sums, and the row count
+            full[:, d, :d] = full[:, :d, d]
+            full[:, d, d] = real_t[begin:end]
+            sums[i].index_add_(0, chunk_owner, full)
     divisor = torch.from_numpy(np.maximum(counts, 1)).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s / divisor) for name, s in zip(layers, sums))
 
