@@ -627,3 +627,60 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
     with pytest.raises(ValueError, match="not positive definite"):  # an error type the caller does not reply
         fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
+
+
+def client_by_client_mix(clients, damping):
+    """The mixing of eq. (12)/(10) written client by client, for one layer
+    ``l`` (FOOF or full) and the weighted mean of the rest."""
+    total = sum(n for _, _, n in clients)
+    m_sum = r_sum = None
+    for arrays, pre, n in clients:
+        p = n / total
+        w = torch.cat([torch.from_numpy(arrays["l.weight"].astype(np.float64)),
+                       torch.from_numpy(arrays["l.bias"].astype(np.float64)).reshape(-1, 1)], 1)
+        packed = torch.from_numpy(pre["l"].astype(np.float64))
+        m = foof.unpack_upper(packed) + damping * torch.eye(foof.triangle_side(packed.numel()), dtype=torch.float64)
+        r = w @ m if m.shape[0] == w.shape[1] else m @ w.reshape(-1)
+        m_sum = p * m if m_sum is None else m_sum + p * m
+        r_sum = p * r if r_sum is None else r_sum + p * r
+    factor = torch.linalg.cholesky(m_sum)
+    mixed = (foof.right_solve(r_sum, factor) if r_sum.dim() == 2
+             else torch.cholesky_solve(r_sum.reshape(-1, 1), factor).reshape(w.shape))
+    rest = sum(n / total * torch.from_numpy(arrays["other"].astype(np.float64)) for arrays, _, n in clients)
+    return {"l.weight": mixed[:, :-1].numpy().astype(np.float32), "l.bias": mixed[:, -1].numpy().astype(np.float32),
+            "other": rest.numpy().astype(np.float32)}
+
+
+@pytest.mark.parametrize("group_bytes", [64 << 20, 1])  # all clients' matrices at once, or one at a time
+@pytest.mark.parametrize("out, inp, full", [(5, 7, False), (128, 60, False), (2, 3, True)])
+def test_the_grouped_mix_is_bit_for_bit_the_client_by_client_sums(monkeypatch, group_bytes, out, inp, full):
+    """The server unpacks, damps and scales a group of clients' matrices at
+    once; products and sums stay client by client in reply order, so the
+    mixed model is the client-by-client one to the bit."""
+    import fedaccel.strategies.preconditioned_mixing as mixing
+
+    monkeypatch.setattr(mixing, "MIX_GROUP_BYTES", group_bytes)
+    rng = np.random.default_rng(0)
+    clients = []
+    for _ in range(9):
+        arrays = {"l.weight": rng.standard_normal((out, inp)).astype(np.float32),
+                  "l.bias": rng.standard_normal(out).astype(np.float32),
+                  "other": rng.standard_normal(4).astype(np.float32)}
+        d = out * (inp + 1) if full else inp + 1
+        a = rng.standard_normal((d, d))
+        clients.append((arrays, {"l": foof.pack_upper(torch.from_numpy(a @ a.T / d)).float().numpy()},
+                        float(rng.integers(1, 50))))
+    got, want = preconditioned_mix(clients, 0.3), client_by_client_mix(clients, 0.3)
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), key
+
+
+def test_preconditioners_of_different_sizes_are_refused_in_one_line():
+    arrays = {"l.weight": np.zeros((2, 3), np.float32), "l.bias": np.zeros(2, np.float32)}
+    foof4 = {"l": foof.pack_upper(torch.eye(4)).numpy()}
+    full8 = {"l": foof.pack_upper(torch.eye(8)).numpy()}
+    with pytest.raises(ValueError, match="sizes 4 and 8"):
+        preconditioned_mix([(arrays, foof4, 1.0), (arrays, full8, 1.0)], 0.1)
+    with pytest.raises(ValueError, match="size 5 fits neither 4 .FOOF. nor 8 .full."):
+        preconditioned_mix([(arrays, foof4, 1.0), (arrays, {"l": foof.pack_upper(torch.eye(5)).numpy()}, 1.0)], 0.1)

@@ -270,6 +270,14 @@ def pack_upper(a: torch.Tensor) -> torch.Tensor:
     return a.reshape(-1).index_select(0, flat_index)
 
 
+def unpack_upper_stacked(values: torch.Tensor, d: int) -> torch.Tensor:
+    """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``: ``[C, d, d]``."""
+    flat_index, mask = _upper_triangle(d, values.device)
+    upper = values.new_zeros(values.shape[0], d * d).scatter_(
+        1, flat_index.expand(values.shape[0], -1), values).view(-1, d, d)
+    return torch.where(mask, upper, upper.mT)
+
+
 def triangle_side(count: int) -> int:
     """``d`` such that ``d (d + 1) / 2 == count``."""
     d = int(round(((8 * count + 1) ** 0.5 - 1) / 2))

@@ -47,6 +47,9 @@ import torch
 from fedaccel.clients import foof
 
 
+MIX_GROUP_BYTES = 64 << 20  # the damped matrices of a group of clients, and their scaled copies
+
+
 def _t(a) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float64))  # a copy: views may be read-only
 
@@ -66,7 +69,14 @@ def preconditioned_mix(
     clients: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]],
     damping: float,
 ) -> OrderedDict[str, np.ndarray]:
-    """Mix ``(arrays, packed preconditioners, n_i)`` of every client (see module doc)."""
+    """Mix ``(arrays, packed preconditioners, n_i)`` of every client (see module doc).
+
+    Each layer's matrices are unpacked, damped and scaled for all clients at
+    once (data movement and elementwise products: the same values as client
+    by client); each client's product ``W~_i M_i`` stays one ``mm`` of its
+    own (a batched ``bmm`` rounds some shapes differently) and the sums run
+    client by client in reply order, so the result is bit for bit the
+    client-by-client loop's."""
     if not clients:
         raise ValueError("preconditioned_mix needs at least one client")
     total = float(sum(n for _, _, n in clients))
@@ -76,25 +86,38 @@ def preconditioned_mix(
     for _, pre, _ in clients:
         if list(pre) != layers:
             raise ValueError(f"clients uploaded preconditioners for different layers: {list(pre)} vs {layers}")
+    scale = torch.tensor(weights, dtype=torch.float64)[:, None, None]  # p * x elementwise, as p * m_i
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     covered: dict[str, torch.Tensor] = {}
     for layer in layers:
-        m_sum, r_sum = None, None
-        for (arrays, pre, _), p in zip(clients, weights):
-            w_i, keys = layer_matrix(arrays, layer)
-            rows, cols = w_i.shape
-            packed = _t(pre[layer]).reshape(-1)
-            d = foof.triangle_side(int(packed.numel()))
-            m_i = foof.unpack_upper(packed, d) + damping * torch.eye(d, dtype=torch.float64)
-            if d == cols:
-                r_i = w_i @ m_i
-            elif d == rows * cols:
-                r_i = m_i @ w_i.reshape(-1)
-            else:
-                raise ValueError(f"layer {layer}: preconditioner of size {d} fits neither "
+        rows, cols = layer_matrix(first_arrays, layer)[0].shape
+        keys = layer_matrix(first_arrays, layer)[1]
+        sizes = [foof.triangle_side(int(np.asarray(pre[layer]).size)) for _, pre, _ in clients]
+        d = sizes[0]
+        for size in sizes:
+            if size not in (cols, rows * cols):
+                raise ValueError(f"layer {layer}: preconditioner of size {size} fits neither "
                                  f"{cols} (FOOF) nor {rows * cols} (full)")
-            m_sum = p * m_i if m_sum is None else m_sum + p * m_i
-            r_sum = p * r_i if r_sum is None else r_sum + p * r_i
+            if size != d:
+                raise ValueError(f"layer {layer}: clients uploaded preconditioners of sizes {d} and {size}")
+        full = d == rows * cols != cols
+        eye = damping * torch.eye(d, dtype=torch.float64)
+        m_sum, r_sum = None, None
+        # clients a group at a time (a group's matrices at most max_bytes), the sums client by client
+        group = max(1, MIX_GROUP_BYTES // (2 * d * d * 8))
+        for begin in range(0, len(clients), group):
+            part = clients[begin:begin + group]
+            packed = _t(np.stack([np.asarray(pre[layer]).reshape(-1) for _, pre, _ in part]))
+            m = foof.unpack_upper_stacked(packed, d) + eye  # [G, d, d]
+            scale = torch.tensor(weights[begin:begin + group], dtype=torch.float64)[:, None, None]
+            scaled_m = scale * m  # p * m_i, elementwise
+            r = torch.stack([m_i @ w_i.reshape(-1) if full else w_i @ m_i
+                             for (arrays, _, _), m_i in zip(part, m)
+                             for w_i in [layer_matrix(arrays, layer)[0]]])
+            scaled_r = scale[:, :, 0] * r if full else scale * r
+            for i in range(len(part)):
+                m_sum = scaled_m[i] if m_sum is None else m_sum + scaled_m[i]
+                r_sum = scaled_r[i] if r_sum is None else r_sum + scaled_r[i]
         factor, info = torch.linalg.cholesky_ex(m_sum)
         if int(info) != 0:
             raise ValueError(f"layer {layer}: mixed preconditioner is not positive definite; "
