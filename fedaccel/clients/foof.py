@@ -136,13 +136,15 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
     ``batch_size`` (its last chunk padded with zero rows, which add nothing),
     each chunk's ``R^T R`` a product in the model's dtype, a client's chunks
-    summed in float64 in order, then divided by its rows. Here every chunk of
-    every client is one row of a batch (its client's weights gathered for
-    it), as many chunks at a time as fit in ``max_bytes``, and ``R^T R`` is
-    formed by blocks (the bias column, all ones, gives the row sums and the
-    row count) so that no copy of a layer's input with a column of ones is
-    made. Equal to :func:`compute_foof` to the model dtype's rounding (the
-    batched layers sum in another order), not bit for bit."""
+    summed in float64 in order (the same order on any device), then divided
+    by its rows. Here every chunk of every client is one row of a batch (its
+    client's weights gathered for it), as many chunks at a time as fit in
+    ``max_bytes``, and ``R^T R`` is formed by blocks (the bias column, all
+    ones, gives the row sums and the row count) so that no copy of a layer's
+    input with a column of ones is made. Equal to :func:`compute_foof` to
+    the model dtype's rounding (the batched layers sum in another order),
+    not bit for bit. Written here because no library forms per-client
+    Gram matrices of a ragged batch."""
     if not xs:
         return OrderedDict()
     counts = np.array([int(x.shape[0]) for x in xs])
@@ -167,6 +169,13 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     for begin in range(0, len(owner), step):
         end = min(begin + step, len(owner))
         chunk_owner = owner_t[begin:end]
+        # the group's chunks by their position within their client (not index_add_,
+        # whose order of sums is not fixed on a GPU)
+        position = np.arange(begin, end) - first_chunk[begin:end]
+        by_position = []
+        for k in np.unique(position):
+            at = np.flatnonzero(position == k)
+            by_position.append((torch.from_numpy(at).to(device), owner_t[begin + at]))
         x = x_all.index_select(0, row_index_t[begin:end].reshape(-1)).to(dtype)
         p = {k: v.index_select(0, chunk_owner) for k, v in weights.items()}
         inputs = layer_inputs(p, x.view((end - begin, batch_size) + x_all.shape[1:]))
@@ -178,7 +187,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             full[:, :d, d] = a.sum(dim=2)  # the bias column of R^T R: row sums, and the row count
             full[:, d, :d] = full[:, :d, d]
             full[:, d, d] = real_t[begin:end]
-            sums[i].index_add_(0, chunk_owner, full)
+            for at, owners in by_position:  # a client's chunks in order; no client twice in one add
+                sums[i].index_copy_(0, owners, sums[i].index_select(0, owners) + full.index_select(0, at))
     divisor = torch.from_numpy(np.maximum(counts, 1)).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s / divisor) for name, s in zip(layers, sums))
 
