@@ -334,10 +334,13 @@ def test_augmentation_and_dropout_fall_back() -> None:
     assert "dropout" in fallback_reason(solver, cfg, dropout, augment=False)
 
 
-def test_a_model_without_its_own_batched_forward_goes_through_vmap() -> None:
+@pytest.mark.parametrize("algo, changes", [("fedprox", {}), ("fedpm", {"fedpm.upload": "end"})])
+def test_a_model_without_its_own_batched_forward_goes_through_vmap(algo: str, changes: dict) -> None:
     """The McMahan CNN (no ``batched_forward``): a FedProx round, batched by
-    ``vmap(functional_call)``, equals the per-client round."""
-    cfg = run_cfg("fedprox", **{"batch-size": 8, "momentum": 0.5})
+    ``vmap(functional_call)``, equals the per-client round; so does FedPM's,
+    whose FOOF passes (before the steps, and after them at each client's
+    trained weights) stay per client on a model without batched layer inputs."""
+    cfg = run_cfg(algo, **{"batch-size": 8, "momentum": 0.5, **changes})
     model = make_model(name="cnn-small", shape=(1, 8, 8))
     assert not hasattr(model, "batched_forward")
     datas = clients([11, 3, 20], shape=(1, 8, 8))
@@ -682,7 +685,8 @@ def test_fedpm_counts_its_foof_matrices_in_the_chunk_estimate() -> None:
     model = make_model()
     solver = get_algorithm("fedpm").solver(run_cfg("fedpm"))
     d = [7, 33]  # the 6-32-3 MLP's layers: inputs + bias
-    assert solver.cohort_bytes(model) == sum(k * k * (8 + 2 * 4) for k in d)
+    # each layer's float64 matrix and two factors; the batched pass's float64 temporaries of the largest
+    assert solver.cohort_bytes(model) == sum(k * k * (8 + 2 * 4) for k in d) + 2 * 8 * 33 * 33
     assert LocalSolver(run_cfg("fedavg")).cohort_bytes(model) == 0
     plain = bytes_per_client(model, torch.zeros(6), 16)
     assert bytes_per_client(model, torch.zeros(6), 16, solver.cohort_bytes(model)) == plain + solver.cohort_bytes(model)

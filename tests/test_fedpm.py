@@ -621,8 +621,10 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
     torch.manual_seed(0)
     datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
     model = build_model("mlp", (6,), 3)
-    results = fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4, errors=(ValueError,))
+    jobs = fedpm_jobs(cfg, model, datas)
+    results = fit_cohort(copy.deepcopy(model), jobs, 4, errors=(ValueError,))
     assert isinstance(results[1], ValueError) and "not positive definite" in str(results[1])
+    assert not getattr(jobs[1].solver, "used", None) and getattr(jobs[1].solver, "_x_foof", None) is None  # holds nothing
     assert "fedpm.damping" in str(results[1])
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
     with pytest.raises(ValueError, match="not positive definite"):  # an error type the caller does not reply
@@ -647,28 +649,31 @@ def client_by_client_mix(clients, damping):
     mixed = (foof.right_solve(r_sum, factor) if r_sum.dim() == 2
              else torch.cholesky_solve(r_sum.reshape(-1, 1), factor).reshape(w.shape))
     rest = sum(n / total * torch.from_numpy(arrays["other"].astype(np.float64)) for arrays, _, n in clients)
-    return {"l.weight": mixed[:, :-1].numpy().astype(np.float32), "l.bias": mixed[:, -1].numpy().astype(np.float32),
-            "other": rest.numpy().astype(np.float32)}
+    dtype = clients[0][0]["l.weight"].dtype
+    return {"l.weight": mixed[:, :-1].numpy().astype(dtype), "l.bias": mixed[:, -1].numpy().astype(dtype),
+            "other": rest.numpy().astype(dtype)}
 
 
-@pytest.mark.parametrize("group_bytes", [64 << 20, 1])  # all clients' matrices at once, or one at a time
+@pytest.mark.parametrize("group", [None, 1, 2, 3])  # all clients' matrices at once, or so many at a time
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("out, inp, full", [(5, 7, False), (128, 60, False), (2, 3, True)])
-def test_the_grouped_mix_is_bit_for_bit_the_client_by_client_sums(monkeypatch, group_bytes, out, inp, full):
+def test_the_grouped_mix_is_bit_for_bit_the_client_by_client_sums(monkeypatch, group, dtype, out, inp, full):
     """The server unpacks, damps and scales a group of clients' matrices at
     once; products and sums stay client by client in reply order, so the
     mixed model is the client-by-client one to the bit."""
     import fedaccel.strategies.preconditioned_mixing as mixing
 
-    monkeypatch.setattr(mixing, "MIX_GROUP_BYTES", group_bytes)
+    d = out * (inp + 1) if full else inp + 1
+    if group is not None:  # MIX_GROUP_BYTES // (2 d^2 8) clients a group
+        monkeypatch.setattr(mixing, "MIX_GROUP_BYTES", group * 2 * d * d * 8)
     rng = np.random.default_rng(0)
     clients = []
     for _ in range(9):
-        arrays = {"l.weight": rng.standard_normal((out, inp)).astype(np.float32),
-                  "l.bias": rng.standard_normal(out).astype(np.float32),
-                  "other": rng.standard_normal(4).astype(np.float32)}
-        d = out * (inp + 1) if full else inp + 1
-        a = rng.standard_normal((d, d))
-        clients.append((arrays, {"l": foof.pack_upper(torch.from_numpy(a @ a.T / d)).float().numpy()},
+        arrays = {"l.weight": rng.standard_normal((out, inp)).astype(dtype),
+                  "l.bias": rng.standard_normal(out).astype(dtype),
+                  "other": rng.standard_normal(4).astype(dtype)}
+        a = torch.from_numpy(rng.standard_normal((d, d)))
+        clients.append((arrays, {"l": foof.pack_upper(a @ a.T / d).numpy().astype(dtype)},
                         float(rng.integers(1, 50))))
     got, want = preconditioned_mix(clients, 0.3), client_by_client_mix(clients, 0.3)
     assert list(got) == list(want)
@@ -684,3 +689,40 @@ def test_preconditioners_of_different_sizes_are_refused_in_one_line():
         preconditioned_mix([(arrays, foof4, 1.0), (arrays, full8, 1.0)], 0.1)
     with pytest.raises(ValueError, match="size 5 fits neither 4 .FOOF. nor 8 .full."):
         preconditioned_mix([(arrays, foof4, 1.0), (arrays, {"l": foof.pack_upper(torch.eye(5)).numpy()}, 1.0)], 0.1)
+
+
+def test_a_subclass_with_its_own_round_hooks_gets_the_per_client_calls():
+    """The cohort hooks stand in for FedPM's own ``before_steps`` and
+    ``end_round``: a subclass that changes one of them is called per client
+    and uploads through its own ``upload``."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    calls = []
+
+    class Logged(FedPMSolver):
+        def before_steps(self, model, data, generator):
+            calls.append("before_steps")
+            super().before_steps(model, data, generator)
+
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 3)]
+    model = build_model("mlp", (6,), 3)
+    jobs = fedpm_jobs(cfg, model, datas)
+    for job in jobs:
+        job.solver = Logged(cfg)
+    assert Logged(cfg).reads_trained_model() and not FedPMSolver(cfg).reads_trained_model()
+    fit_cohort(copy.deepcopy(model), jobs, 4)
+    assert calls == ["before_steps"] * 2
+
+
+def test_a_foof_pass_without_rows_is_refused_by_both_passes():
+    from fedaccel.models import build_model
+
+    model = build_model("mlp", (6,), 3)
+    with pytest.raises(ValueError, match="at least one input row"):
+        foof.compute_foof(model, torch.zeros(0, 6))
+    weights = {n: p.detach()[None] for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="at least one input row"):
+        foof.stacked_foof(model.batched_layer_inputs, ["fc1", "fc"], weights, [torch.zeros(0, 6)])

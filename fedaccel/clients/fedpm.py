@@ -250,11 +250,18 @@ class FedPMSolver(LocalSolver):
         self._x_foof = self._foof_inputs(data, generator)
         self._refresh(model)
 
+    @classmethod
+    def _own_round_hooks(cls) -> bool:
+        """Whether the hooks the cohort hooks stand in for are FedPM's own (a
+        subclass that changes them gets the per-client calls)."""
+        return all(getattr(cls, hook) is getattr(FedPMSolver, hook)
+                   for hook in ("before_steps", "_foof_inputs", "_refresh", "end_round", "upload"))
+
     def _chain_layers(self, model: torch.nn.Module, layer_inputs) -> list[str] | None:
         """The preconditioned layers when a batched FOOF pass can compute them
         (the FOOF mode, one pass per round, a chain of ``Linear`` layers with
         biases whose ``batched_layer_inputs`` the model has), else None."""
-        if layer_inputs is None or self.mode != "foof" or self.refresh_every:
+        if layer_inputs is None or self.mode != "foof" or self.refresh_every or not self._own_round_hooks():
             return None
         layers = list(foof.foof_layers(model))
         names = [name for name, _ in layers]
@@ -280,13 +287,15 @@ class FedPMSolver(LocalSolver):
         for name in layers:
             factor, info = foof.damped_cholesky_ex(used[name], self.damping)
             factors[name], infos[name] = factor.to(self.layers[name].weight.dtype), info.tolist()
+            del factor  # the float64 factor: only the layer's dtype is kept
         problems: list[BaseException | None] = []
         for c, m in enumerate(members):
-            m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             bad = [name for name in layers if infos[name][c] != 0]
-            if bad:
+            if bad:  # this client fails alone, holding nothing of the batch
+                m.solver._x_foof = None
                 problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping))
                 continue
+            m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             m.solver.factors = {name: factors[name][c] for name in layers}
             problems.append(None)
         return problems
@@ -311,7 +320,7 @@ class FedPMSolver(LocalSolver):
         ``end_round`` reads the trained model only for ``upload='end'``
         before the cohort trainer formed the matrices (``cohort_after_steps``)
         and in the exact mode."""
-        if self.mode == "exact":
+        if self.mode == "exact" or not self._own_round_hooks():
             return True
         return (self.uploads_preconditioners and self.upload_which == "end"
                 and getattr(self, "_end_matrices", None) is None)
@@ -369,12 +378,15 @@ class FedPMSolver(LocalSolver):
 
     def cohort_bytes(self, model: torch.nn.Module) -> int:
         """Per client: each layer's FOOF matrix (float64), its factor (the
-        layer's dtype) and the cohort's stacked copy of the factor."""
+        layer's dtype) and the cohort's stacked copy of the factor; while the
+        batched pass factors a layer, its damped copy and float64 factor
+        (two float64 matrices more)."""
         total = 0
         for _, module in foof.foof_layers(model):
             d, size = foof.input_dim(module), module.weight.element_size()
             total += d * d * (8 + 2 * size)
-        return total
+        largest = max((foof.input_dim(m) for _, m in foof.foof_layers(model)), default=0)
+        return total + 2 * 8 * largest * largest
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The Cholesky factor of ``A + damping I`` of every preconditioned layer."""

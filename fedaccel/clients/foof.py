@@ -116,7 +116,9 @@ def compute_foof(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> Or
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    return OrderedDict((name, sums[name] / max(counts[name], 1)) for name, _ in layers)
+    if x.shape[0] == 0:
+        raise ValueError("a FOOF pass needs at least one input row")
+    return OrderedDict((name, sums[name] / counts[name]) for name, _ in layers)
 
 
 @torch.no_grad()
@@ -148,6 +150,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     if not xs:
         return OrderedDict()
     counts = np.array([int(x.shape[0]) for x in xs])
+    if not counts.all():
+        raise ValueError("a FOOF pass needs at least one input row")
     per_client = -(-counts // batch_size)  # chunks of each client
     owner = np.repeat(np.arange(len(xs)), per_client)  # each chunk's client
     first_chunk = np.repeat(np.cumsum(per_client) - per_client, per_client)
@@ -189,8 +193,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             full[:, d, d] = real_t[begin:end]
             for at, owners in by_position:  # a client's chunks in order; no client twice in one add
                 sums[i].index_copy_(0, owners, sums[i].index_select(0, owners) + full.index_select(0, at))
-    divisor = torch.from_numpy(np.maximum(counts, 1)).to(device=device, dtype=torch.float64)[:, None, None]
-    return OrderedDict((name, s / divisor) for name, s in zip(layers, sums))
+    divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
+    return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums))
 
 
 # ------------------------------------------------- weight matrix views

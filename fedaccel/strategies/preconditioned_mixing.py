@@ -86,7 +86,6 @@ def preconditioned_mix(
     for _, pre, _ in clients:
         if list(pre) != layers:
             raise ValueError(f"clients uploaded preconditioners for different layers: {list(pre)} vs {layers}")
-    scale = torch.tensor(weights, dtype=torch.float64)[:, None, None]  # p * x elementwise, as p * m_i
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     covered: dict[str, torch.Tensor] = {}
     for layer in layers:
