@@ -205,13 +205,13 @@ def partition_of(context: Context) -> int:
 
 def test_run_local_context_and_disk_give_identical_runs(tmp_path, monkeypatch):
     puts: list[Path] = []
-    real_put = DiskState.put
+    real_write = DiskState._write  # put and put_flat write through it
 
-    def spy(self, name, values):
+    def spy(self, version, name, values):
         puts.append(self.folder)
-        real_put(self, name, values)
+        real_write(self, version, name, values)
 
-    monkeypatch.setattr(DiskState, "put", spy)
+    monkeypatch.setattr(DiskState, "_write", spy)
     state_dir = tmp_path / "state"
     ctx_dir = run_local(small_config(tmp_path, "ctx", **{"client-state": "context"}),
                         num_clients=6, quiet=True)
@@ -337,3 +337,45 @@ def test_only_state_folders_of_ended_fast_runner_processes_are_removed(tmp_path)
     (folders["supernode"] / "client-0").mkdir(parents=True)  # no owner: a SuperNode's, kept across runs
     assert remove_orphaned_state_dirs(str(tmp_path)) == [folders["ended"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run-elsewhere", "run-mine", "run-supernode"]
+
+
+@pytest.mark.parametrize("kind", ["context", "disk"])
+def test_flat_state_is_the_same_state_as_the_tensors(tmp_path, kind):
+    """``put_flat`` stores exactly what ``put`` stores for the tensors the
+    flat vector holds (the same record bytes and layout in a Context), so
+    either reads the other's state; ``get_flat`` is ``get`` concatenated."""
+    from fedaccel.clients.state import tensor_layout, unflatten
+
+    src = OrderedDict((k, v) for k, v in tensors().items() if v.dtype == torch.float32)  # one dtype
+    src["scale"] = torch.tensor(0.5)  # a 0-d tensor
+    layout = tensor_layout(src)
+    flat = torch.cat([v.reshape(-1) for v in src.values()])
+    a, b = (ContextState(RecordDict()), ContextState(RecordDict())) if kind == "context" else (
+        DiskState(tmp_path / "a"), DiskState(tmp_path / "b"))
+    a.put("dr", src)
+    b.put_flat("dr", flat.clone(), layout)
+    if kind == "context":
+        assert list(a.record.keys()) == list(b.record.keys())
+        for key in a.record.keys():
+            assert a.record[key] == b.record[key], key  # byte for byte
+    for store in (a, b):
+        got = store.get("dr", CPU)
+        assert list(got) == list(src) and all(torch.equal(got[k], src[k]) for k in src)
+        assert torch.equal(store.get_flat("dr", layout, CPU), flat)
+    assert all(torch.equal(v, src[k]) for k, v in unflatten(flat, layout).items())
+    assert a.get_flat("other", layout, CPU) is None
+
+
+def test_flat_state_of_another_model_is_refused_in_one_line():
+    from fedaccel.clients.state import tensor_layout
+    from fedaccel.config import ConfigError
+
+    store = ContextState(RecordDict())
+    store.put("dr", {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)})
+    wider = {"fc.weight": torch.zeros(3, 3), "fc.bias": torch.zeros(3)}
+    with pytest.raises(ConfigError, match="not this model's .* fresh state-dir"):
+        store.get_flat("dr", tensor_layout(wider), CPU)
+    with pytest.raises(ValueError, match="one dtype"):
+        store.get_flat("dr", (("a", "float32", (1,)), ("b", "int64", (1,))), CPU)
+    with pytest.raises(ValueError, match="flat torch.float64 vector for a layout of float32"):
+        store.put_flat("dr", torch.zeros(3, dtype=torch.float64), (("a", "float32", (3,)),))

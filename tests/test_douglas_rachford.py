@@ -525,3 +525,16 @@ def test_real_solver_exact_prox_reshuffled_cohorts(lsq):
 @pytest.mark.parametrize("cohort_size", [N, 5])
 def test_real_solver_init_zeros_reaches_minimizer(lsq, cohort_size):
     assert run_dr_real_solver(lsq, cohort_size, init="zeros") < 1e-6
+
+
+def test_a_model_whose_state_mixes_dtypes_is_refused_in_one_line():
+    """y, x and xhat are flat vectors of the model's one dtype: a model with
+    an integer buffer (a BatchNorm counter) is refused, not relaxed."""
+    from fedaccel.config import ConfigError
+
+    model = linear([[1.0, 2.0]], bias=[0.5])
+    model.register_buffer("steps", torch.tensor(3))
+    solver = DouglasRachfordSolver(dr_cfg(eta=2.0, alpha=0.5))
+    solver.initial_model = x0_of(model)
+    with pytest.raises(ConfigError, match=r"mixes dtypes \(\['float32', 'int64'\]\)"):
+        solver.begin_round(model, train_config(), ContextState(RecordDict()))

@@ -37,13 +37,16 @@ majority class (12-14 % at eta 10/100/1000) while ``server`` reaches 70-74 %
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import TypeVar
 
 import torch
 from flwr.app import ArrayRecord
 
 from fedaccel.clients.base import LocalSolver
-from fedaccel.clients.state import ClientState, flat_groups, read_groups
+from fedaccel.clients.state import ClientState, Layout, flat_size, tensor_layout, unflatten
+from fedaccel.config import ConfigError
 from fedaccel.contract import TrainConfig
 from fedaccel.arrays import tensors_to_record
 
@@ -65,11 +68,10 @@ def server_step(x: T, g_sum: T, num_clients: int) -> T:
     return x + g_sum / num_clients  # type: ignore[operator]
 
 
-def initial_state(initial_model: OrderedDict[str, torch.Tensor] | None,
-                  received: OrderedDict[str, torch.Tensor], init: str) -> tuple[
-                      OrderedDict[str, torch.Tensor], OrderedDict[str, torch.Tensor],
-                      OrderedDict[str, torch.Tensor]]:
-    """``(y_i, x_i, xhat_i)`` of a client that has not trained yet (new tensors).
+def initial_state(initial_model: Mapping[str, torch.Tensor] | None, keys: list[str], device: torch.device,
+                  init: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y_i, x_i, xhat_i)`` of a client that has not trained yet, as flat
+    vectors of the model's state tensors ``keys`` in order (new tensors).
 
     ``init='model'``: all three are x0, the run's initial model (rebuilt from
     the seed by the ClientApp), also for a client first selected in a later
@@ -95,17 +97,19 @@ def initial_state(initial_model: OrderedDict[str, torch.Tensor] | None,
     """
     if initial_model is None:
         raise RuntimeError("the ClientApp must set solver.initial_model (x0) before training")
-    x0 = OrderedDict((k, initial_model[k].to(received[k].device)) for k in received)
-
-    def copy() -> OrderedDict[str, torch.Tensor]:
-        return OrderedDict((k, v.clone()) for k, v in x0.items())
-
-    def zeros() -> OrderedDict[str, torch.Tensor]:
-        return OrderedDict((k, torch.zeros_like(v)) for k, v in x0.items())
-
+    x0 = torch.cat([initial_model[k].to(device).reshape(-1) for k in keys])  # a new tensor
     if init == "zeros":
-        return zeros(), copy(), zeros()
-    return copy(), copy(), copy()
+        return torch.zeros_like(x0), x0, torch.zeros_like(x0)
+    return x0, x0.clone(), x0.clone()
+
+
+@lru_cache(maxsize=64)
+def stored_layout(layout: Layout) -> Layout:
+    """The layout of the saved state ``y, x, xhat`` of a model of ``layout``:
+    ``y.<key>`` for every key, then ``x.<key>``, then ``xhat.<key>`` (what
+    ``state.put('dr', flat_groups(...))`` stored before the state was kept
+    flat, so either code reads the other's state)."""
+    return tuple((f"{group}.{k}", dtype, shape) for group in ("y", "x", "xhat") for k, dtype, shape in layout)
 
 
 class DouglasRachfordSolver(LocalSolver):
@@ -113,26 +117,37 @@ class DouglasRachfordSolver(LocalSolver):
 
     State per client (``dr``): ``y``, ``x`` (= x_i) and ``xhat``, one tensor each
     per model entry, created the first time the client is selected
-    (:func:`initial_state`).
+    (:func:`initial_state`). The arithmetic runs on flat vectors of the
+    model's state (one dtype) and the state is read and written as the one
+    flat Array it is stored as (:meth:`~fedaccel.clients.state.ClientState.get_flat`):
+    bit for bit the per-tensor arithmetic and record, without its per-tensor
+    calls (about 140 us a client on the 60-32-10 MLP).
     """
 
     state_copies = 3
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
         device = next(model.parameters()).device
-        # the model's own tensors, read before training starts: relax() makes new ones
-        received = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())
-        saved = read_groups(state, "dr", ("y", "x", "xhat"), list(received), device)
+        entries = model.state_dict()
+        layout = tensor_layout(entries)
+        if len({dtype for _, dtype, _ in layout}) > 1:
+            raise ConfigError(f"{self.cfg.algo}: the model's state mixes dtypes "
+                              f"({sorted({dtype for _, dtype, _ in layout})}); Douglas-Rachford keeps "
+                              "y, x and xhat as flat vectors of one dtype")
+        self._layout, size = layout, flat_size(layout)
+        # the model's own tensors, read before training starts (a copy)
+        received = torch.cat([v.detach().reshape(-1) for v in entries.values()])
+        saved = state.get_flat("dr", stored_layout(layout), device)
         if saved is None:
-            y, x_local, xhat = initial_state(self.initial_model, received, self.params.init)
+            y, x_local, xhat = initial_state(self.initial_model, list(entries), device, self.params.init)
         else:
-            y, x_local, xhat = saved["y"], saved["x"], saved["xhat"]
-        alpha = float(self.params.alpha)
-        self.y = OrderedDict((k, relax(y[k], received[k], x_local[k], alpha)) for k in received)
-        self.xhat = xhat
+            y, x_local, xhat = saved[:size], saved[size:2 * size], saved[2 * size:]
+        self._y_flat = relax(y, received, x_local, float(self.params.alpha))
+        self.y = unflatten(self._y_flat, layout)
+        self._xhat_flat = xhat
         self.inv_eta = 1.0 / float(self.params.eta)
         if self.params.prox_start == "local":
-            model.load_state_dict(x_local)
+            model.load_state_dict(unflatten(x_local, layout))
         self._anchors = [self.y[name] for name, _ in model.named_parameters()]
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -144,9 +159,9 @@ class DouglasRachfordSolver(LocalSolver):
         return g.add(w - tensors["y"], alpha=self.inv_eta)
 
     def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
-        x_new = OrderedDict((k, v.detach()) for k, v in model.state_dict().items())  # put() copies
-        xhat_new = OrderedDict((k, reflect(x_new[k], self.y[k])) for k in x_new)
-        g = OrderedDict((k, (xhat_new[k] - self.xhat[k]).cpu()) for k in x_new)
-        state.put("dr", flat_groups({"y": self.y, "x": x_new, "xhat": xhat_new}))
+        x_new = torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
+        xhat_new = reflect(x_new, self._y_flat)
+        g = (xhat_new - self._xhat_flat).cpu()
+        state.put_flat("dr", torch.cat([self._y_flat, x_new, xhat_new]), stored_layout(self._layout))
         self._anchors = []
-        return tensors_to_record(g)
+        return tensors_to_record(unflatten(g, self._layout))

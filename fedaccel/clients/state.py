@@ -41,6 +41,7 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from fedaccel.arrays import arrays_to_record, config_record, from_tensor, records_of, to_numpy
+from fedaccel.config import ConfigError
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -61,6 +62,15 @@ class ClientState(Protocol):
     def put(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Save ``tensors`` under ``name`` (copies; later edits do not leak in)."""
 
+    def get_flat(self, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """:meth:`get` as one flat vector: the tensors in ``layout``'s order,
+        concatenated, or None (``layout`` of one dtype). State saved with
+        another layout (another model) is an error."""
+
+    def put_flat(self, name: str, flat: torch.Tensor, layout: Layout) -> None:
+        """:meth:`put` of the tensors ``flat`` holds in ``layout``'s order,
+        stored exactly as :meth:`put` stores them."""
+
     def resolve(self, accepted_round: int | None) -> str:
         """Commit or roll back before a round; see :meth:`VersionedState.resolve`."""
 
@@ -69,6 +79,49 @@ class ClientState(Protocol):
 
     def seal(self) -> None:
         """Close the round: its version becomes the latest (still uncommitted)."""
+
+
+# (key, dtype name, shape) of every tensor of a state, in order
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def tensor_layout(tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """The layout of ``tensors`` (keys, dtype names, shapes, in order)."""
+    return tuple((k, _dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items())
+
+
+def unflatten(flat: torch.Tensor, layout: Layout) -> OrderedDict[str, torch.Tensor]:
+    """Views of ``flat`` as the tensors of ``layout`` (in its order)."""
+    keys, sizes, shapes = _split_plan(layout)
+    return OrderedDict(zip(keys, (piece.view(shape) for piece, shape in zip(torch.split(flat, sizes), shapes))))
+
+
+@lru_cache(maxsize=256)
+def _split_plan(layout: Layout) -> tuple[list[str], list[int], list[tuple[int, ...]]]:
+    """Keys, sizes and shapes of a layout (made once per layout)."""
+    return ([k for k, _, _ in layout], [math.prod(shape) for _, _, shape in layout],
+            [shape for _, _, shape in layout])
+
+
+def flat_size(layout: Layout) -> int:
+    """How many values the tensors of ``layout`` hold."""
+    return sum(_split_plan(layout)[1])
+
+
+def _one_dtype(layout: Layout) -> str:
+    """The one dtype of a flat state's layout (:meth:`ClientState.get_flat`)."""
+    dtypes = {dtype for _, dtype, _ in layout}
+    if len(dtypes) != 1:
+        raise ValueError(f"a flat state has one dtype; this layout has {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def _check_layout(saved: Layout, expected: Layout, name: str) -> None:
+    if saved != expected:
+        raise ConfigError(
+            f"client state {name!r}: the saved tensors ({len(saved)}, e.g. {saved[:1]}) are not this "
+            f"model's ({len(expected)}, e.g. {expected[:1]}); was the state directory written by a run "
+            "of another model? Start with a fresh state-dir")
 
 
 def read_groups(state: ClientState, name: str, groups: tuple[str, ...], keys: list[str],
@@ -131,6 +184,16 @@ class VersionedState:
         version = self.open_round if self.open_round is not None else self._tags()[1]
         self._write(version, name, tensors)
 
+    def get_flat(self, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        _one_dtype(layout)
+        return self._read_flat(self._tags()[1], name, layout, device)
+
+    def put_flat(self, name: str, flat: torch.Tensor, layout: Layout) -> None:
+        if _dtype_name(flat.dtype) != _one_dtype(layout) or flat.dim() != 1:
+            raise ValueError(f"put_flat: a flat {flat.dtype} vector for a layout of {_one_dtype(layout)}")
+        version = self.open_round if self.open_round is not None else self._tags()[1]
+        self._write_flat(version, name, flat, layout)
+
     def resolve(self, accepted_round: int | None) -> str:
         """Make the state agree with the server; returns what happened:
         ``kept`` (nothing to do), ``committed``, ``rolled-back`` or ``lost``.
@@ -178,6 +241,18 @@ class VersionedState:
 
     def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def _read_flat(self, version: int, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """:meth:`_read`, concatenated (a store that keeps flat vectors overrides this)."""
+        saved = self._read(version, name, device)
+        if saved is None:
+            return None
+        _check_layout(tensor_layout(saved), layout, name)
+        return torch.cat([t.reshape(-1) for t in saved.values()])
+
+    def _write_flat(self, version: int, name: str, flat: torch.Tensor, layout: Layout) -> None:
+        """:meth:`_write` of the tensors ``flat`` holds."""
+        self._write(version, name, unflatten(flat, layout))
 
     def _drop(self, version: int) -> None:
         raise NotImplementedError
@@ -236,6 +311,22 @@ class ContextState(VersionedState):
         self.record[key] = arrays_to_record(
             (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items())
         self.record[f"{key}.layout"] = config_record({"layout": _layout_text(tuple(layout))})
+
+    def _read_flat(self, version: int, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """The stored flat Array itself (no split into tensors)."""
+        key = f"fedaccel.v{version}.{name}"
+        if key not in self.record:
+            return None
+        _check_layout(_parsed_layout(str(self.record[f"{key}.layout"]["layout"])), layout, name)  # type: ignore[index]
+        (array,) = self.record[key].values()  # type: ignore[union-attr]
+        return torch.from_numpy(to_numpy(array).copy()).to(device)
+
+    def _write_flat(self, version: int, name: str, flat: torch.Tensor, layout: Layout) -> None:
+        """What :meth:`_write` stores for these tensors: their one-dtype flat
+        vector and the layout (no split, no concatenation)."""
+        key = f"fedaccel.v{version}.{name}"
+        self.record[key] = arrays_to_record([(layout[0][1], from_tensor(flat))])
+        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(layout)})
 
     def _drop(self, version: int) -> None:
         prefix = f"fedaccel.v{version}."
