@@ -373,9 +373,12 @@ def test_flat_state_of_another_model_is_refused_in_one_line():
     store = ContextState(RecordDict())
     store.put("dr", {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)})
     wider = {"fc.weight": torch.zeros(3, 3), "fc.bias": torch.zeros(3)}
-    with pytest.raises(ConfigError, match="not this model's .* fresh state-dir"):
+    with pytest.raises(ConfigError, match=r"not this model's .*entry 0: saved \('fc.weight', 'float32', \(2, 3\)\), "
+                       r"expected \('fc.weight', 'float32', \(3, 3\)\).*fresh state-dir"):
         store.get_flat("dr", tensor_layout(wider), CPU)
     with pytest.raises(ValueError, match="one dtype"):
         store.get_flat("dr", (("a", "float32", (1,)), ("b", "int64", (1,))), CPU)
-    with pytest.raises(ValueError, match="flat torch.float64 vector for a layout of float32"):
+    with pytest.raises(ValueError, match=r"torch.float64 vector of \(3,\) for a layout of 3 float32"):
         store.put_flat("dr", torch.zeros(3, dtype=torch.float64), (("a", "float32", (3,)),))
+    with pytest.raises(ValueError, match=r"vector of \(5,\) for a layout of 8 float32"):
+        store.put_flat("dr", torch.zeros(5), (("a", "float32", (2, 3)), ("b", "float32", (2,))))

@@ -36,7 +36,6 @@ majority class (12-14 % at eta 10/100/1000) while ``server`` reaches 70-74 %
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import TypeVar

@@ -118,10 +118,13 @@ def _one_dtype(layout: Layout) -> str:
 
 def _check_layout(saved: Layout, expected: Layout, name: str) -> None:
     if saved != expected:
+        first = next((i for i, (a, b) in enumerate(zip(saved, expected)) if a != b), min(len(saved), len(expected)))
+        found = saved[first] if first < len(saved) else "nothing more"
+        wanted = expected[first] if first < len(expected) else "nothing more"
         raise ConfigError(
-            f"client state {name!r}: the saved tensors ({len(saved)}, e.g. {saved[:1]}) are not this "
-            f"model's ({len(expected)}, e.g. {expected[:1]}); was the state directory written by a run "
-            "of another model? Start with a fresh state-dir")
+            f"client state {name!r}: the saved tensors are not this model's ({len(saved)} saved, "
+            f"{len(expected)} expected; entry {first}: saved {found}, expected {wanted}); state kept "
+            "by a run of another model (with client-state='disk', start with a fresh state-dir)")
 
 
 def read_groups(state: ClientState, name: str, groups: tuple[str, ...], keys: list[str],
@@ -189,8 +192,9 @@ class VersionedState:
         return self._read_flat(self._tags()[1], name, layout, device)
 
     def put_flat(self, name: str, flat: torch.Tensor, layout: Layout) -> None:
-        if _dtype_name(flat.dtype) != _one_dtype(layout) or flat.dim() != 1:
-            raise ValueError(f"put_flat: a flat {flat.dtype} vector for a layout of {_one_dtype(layout)}")
+        if _dtype_name(flat.dtype) != _one_dtype(layout) or flat.dim() != 1 or flat.numel() != flat_size(layout):
+            raise ValueError(f"put_flat: a {flat.dtype} vector of {tuple(flat.shape)} for a layout of "
+                             f"{flat_size(layout)} {_one_dtype(layout)} values")
         version = self.open_round if self.open_round is not None else self._tags()[1]
         self._write_flat(version, name, flat, layout)
 
@@ -244,15 +248,15 @@ class VersionedState:
 
     def _read_flat(self, version: int, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """:meth:`_read`, concatenated (a store that keeps flat vectors overrides this)."""
-        saved = self._read(version, name, device)
+        saved = self._read(version, name, torch.device("cpu"))
         if saved is None:
             return None
         _check_layout(tensor_layout(saved), layout, name)
-        return torch.cat([t.reshape(-1) for t in saved.values()])
+        return torch.cat([t.reshape(-1) for t in saved.values()]).to(device)  # one transfer
 
     def _write_flat(self, version: int, name: str, flat: torch.Tensor, layout: Layout) -> None:
         """:meth:`_write` of the tensors ``flat`` holds."""
-        self._write(version, name, unflatten(flat, layout))
+        self._write(version, name, unflatten(flat.detach().cpu(), layout))  # one transfer
 
     def _drop(self, version: int) -> None:
         raise NotImplementedError
@@ -319,7 +323,11 @@ class ContextState(VersionedState):
             return None
         _check_layout(_parsed_layout(str(self.record[f"{key}.layout"]["layout"])), layout, name)  # type: ignore[index]
         (array,) = self.record[key].values()  # type: ignore[union-attr]
-        return torch.from_numpy(to_numpy(array).copy()).to(device)
+        values = to_numpy(array)
+        if values.shape != (flat_size(layout),):
+            raise ConfigError(f"client state {name!r}: {values.size} values stored for a layout of "
+                              f"{flat_size(layout)}; the state record is damaged")
+        return torch.from_numpy(values.copy()).to(device)
 
     def _write_flat(self, version: int, name: str, flat: torch.Tensor, layout: Layout) -> None:
         """What :meth:`_write` stores for these tensors: their one-dtype flat
