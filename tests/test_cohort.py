@@ -719,3 +719,62 @@ def test_auto_does_not_batch_a_cnn_on_a_cpu_but_on_does(tmp_path, capsys) -> Non
     assert "one after another (on a CPU this model's batched convolutions" in capsys.readouterr().err
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
     assert "each round's clients train as one batched model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo, changes", [("fedcdr", {"momentum": 0.9}),
+                                           ("feddr", {"feddr.prox-start": "local", "feddr.init": "zeros"})])
+def test_a_douglas_rachford_upload_formed_from_the_stacked_weights_is_the_loaded_ones(algo, changes,
+                                                                                       monkeypatch) -> None:
+    """The cohort trainer forms every Douglas-Rachford client's reflect,
+    ``g_i`` and new state from the stacked weights at once
+    (``cohort_after_steps``), loading no client into the model: the same
+    reply Arrays and the same stored state records, byte for byte, as
+    loading each client and calling its ``upload``."""
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
+    model, datas = make_model(), clients()
+
+    def round_of(states):
+        start = state_to_arrays(model)
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start, config=config_for(algo, r),
+                          state=states[c], generator=seeded_generator(cfg.seed, r, c, "train"))
+                for r in (1,) for c, data in enumerate(datas)]
+        loads = []
+        real = cohort_module._load_weights
+        monkeypatch.setattr(cohort_module, "_load_weights", lambda *a: loads.append(1) or real(*a))
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+        return [r.arrays for r in results], len(loads)
+
+    formed_states = [ContextState(RecordDict()) for _ in datas]
+    formed, loads_formed = round_of(formed_states)
+    from fedaccel.clients.douglas_rachford import DouglasRachfordSolver
+    monkeypatch.setattr(DouglasRachfordSolver, "cohort_after_steps", lambda self, *a, **k: None)
+    loaded_states = [ContextState(RecordDict()) for _ in datas]
+    loaded, loads_loaded = round_of(loaded_states)
+    assert (loads_formed, loads_loaded) == (0, len(datas))
+    for x, y in zip(formed, loaded):
+        assert list(x.keys()) == list(y.keys()) and all(x[k].__dict__ == y[k].__dict__ for k in x.keys())
+    for a, b in zip(formed_states, loaded_states):
+        assert list(a.record.keys()) == list(b.record.keys())
+        assert all(a.record[k] == b.record[k] for k in a.record.keys())
+
+
+def test_a_douglas_rachford_subclass_with_its_own_upload_is_loaded_and_called() -> None:
+    from fedaccel.clients.douglas_rachford import DouglasRachfordSolver
+
+    calls = []
+
+    class Logged(DouglasRachfordSolver):
+        def upload(self, model, state):
+            calls.append(1)
+            return super().upload(model, state)
+
+    cfg = run_cfg("fedcdr", **{"batch-size": 16})
+    model, datas = make_model(), clients()[:3]
+    jobs = [CohortJob(solver=Logged(cfg), data=data, arrays=state_to_arrays(model), config=config_for("fedcdr", 1),
+                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, data in enumerate(datas)]
+    for job in jobs:
+        job.solver.initial_model = copy.deepcopy(model.state_dict())
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)
+    assert all(job.solver.reads_trained_model() for job in jobs)

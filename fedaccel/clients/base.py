@@ -239,10 +239,11 @@ class LocalSolver:
     def reads_trained_model(self) -> bool:
         """Whether :meth:`close_round` still reads the trained model this
         round (``end_round`` or ``upload``), so that the cohort trainer must
-        load the client's weights into it; when not, it builds the upload
-        from the stacked weights. Default: unless
-        :meth:`uploads_trained_weights`; FedPM's FOOF mode reads no model once
-        its matrices are formed."""
+        load the client's weights into it; when not, and the solver has no
+        :meth:`upload` of its own, the trainer builds the upload from the
+        stacked weights. Default: unless :meth:`uploads_trained_weights`;
+        FedPM's FOOF mode reads no model once its matrices are formed, the
+        Douglas-Rachford solver none once the trainer formed its upload."""
         return not self.uploads_trained_weights()
 
     # ------------------------------------------------------------------ loop
@@ -345,7 +346,7 @@ class LocalSolver:
         stacked); only for a solver that does not :meth:`reads_trained_model`,
         whose ``end_round`` and ``upload`` do not read ``model`` then."""
         self.local_steps = int(metrics.get("local-steps", 0))
-        if arrays is not None and self.reads_trained_model():
+        if arrays is not None and (self.reads_trained_model() or self.overrides("upload")):
             raise TypeError(f"{type(self).__name__} builds its own upload; close_round takes no arrays for it")
         extra = self.end_round(model, state)
         self.messages.check_records(self.cfg.algo, "to_server", extra)

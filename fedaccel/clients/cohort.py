@@ -633,8 +633,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             if part and alike:
                 part[0][1].solver.cohort_after_steps(model, [m for _, m in part], weights, rows, layer_inputs)
             uploads = _weight_records(model_state, param_slots, weights, rows, part)
-            for (j, _), row, m, arrays in zip(part, rows, metrics, uploads):
-                if arrays is None:  # the solver reads its trained model
+            for (j, member), row, m, arrays in zip(part, rows, metrics, uploads):
+                if arrays is None and member.solver.reads_trained_model():
                     _load_weights(params, [w[row] for w in weights])
                 try:
                     out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m, arrays=arrays)
@@ -654,7 +654,8 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
     others, and for everyone when the model's state holds more than its
     parameters (buffers), in another order, or a parameter that is not
     C-contiguous (whose upload Flower writes in its own order)."""
-    builds = [not member.solver.reads_trained_model() for _, member in part]
+    builds = [not member.solver.overrides("upload") and not member.solver.reads_trained_model()
+              for _, member in part]
     if (not any(builds) or list(range(len(model_state))) != param_slots
             or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)

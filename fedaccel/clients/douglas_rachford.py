@@ -141,6 +141,7 @@ class DouglasRachfordSolver(LocalSolver):
             y, x_local, xhat = initial_state(self.initial_model, list(entries), device, self.params.init)
         else:
             y, x_local, xhat = saved[:size], saved[size:2 * size], saved[2 * size:]
+        self._formed = None  # the upload the cohort trainer forms (cohort_after_steps)
         self._y_flat = relax(y, received, x_local, float(self.params.alpha))
         self.y = unflatten(self._y_flat, layout)
         self._xhat_flat = xhat
@@ -158,9 +159,42 @@ class DouglasRachfordSolver(LocalSolver):
         return g.add(w - tensors["y"], alpha=self.inv_eta)
 
     def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
-        x_new = torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
-        xhat_new = reflect(x_new, self._y_flat)
-        g = (xhat_new - self._xhat_flat).cpu()
-        state.put_flat("dr", torch.cat([self._y_flat, x_new, xhat_new]), stored_layout(self._layout))
+        """Algorithm 1, line 7's reflect and the client's ``g_i``, from the
+        trained weights in ``model``, or as the cohort trainer formed them
+        for the whole batch (:meth:`cohort_after_steps`)."""
+        formed, self._formed = getattr(self, "_formed", None), None
+        if formed is None:
+            x_new = torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
+            xhat_new = reflect(x_new, self._y_flat)
+            g = xhat_new - self._xhat_flat
+            saved = torch.cat([self._y_flat, x_new, xhat_new])
+        else:
+            saved, g = formed
+        state.put_flat("dr", saved, stored_layout(self._layout))
         self._anchors = []
-        return tensors_to_record(unflatten(g, self._layout))
+        return tensors_to_record(unflatten(g.cpu(), self._layout))
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs=None) -> None:
+        """:meth:`upload`'s arithmetic for every member at once, from the
+        stacked trained weights (elementwise, so the same values as one
+        client at a time): ``xhat_i' = 2 x_i - y_i``, ``g_i = xhat_i' -
+        xhat_i`` and the state ``[y_i | x_i | xhat_i']``. Only for a model
+        whose state is its parameters (the flat order of both)."""
+        if type(self).upload is not DouglasRachfordSolver.upload:
+            return
+        names = [name for name, _ in model.named_parameters()]
+        if any([k for k, _, _ in m.solver._layout] != names for m in members):
+            return
+        index = torch.tensor(rows, device=weights[0].device)
+        x_new = torch.cat([w.detach().index_select(0, index).reshape(len(rows), -1) for w in weights], dim=1)
+        y = torch.stack([m.solver._y_flat for m in members])
+        xhat_new = reflect(x_new, y)
+        g = xhat_new - torch.stack([m.solver._xhat_flat for m in members])
+        saved = torch.cat([y, x_new, xhat_new], dim=1)
+        for c, m in enumerate(members):
+            m.solver._formed = (saved[c], g[c])
+
+    def reads_trained_model(self) -> bool:
+        """Not once :meth:`cohort_after_steps` formed the upload."""
+        return getattr(self, "_formed", None) is None
