@@ -246,6 +246,12 @@ class LocalSolver:
         Douglas-Rachford solver none once the trainer formed its upload."""
         return not self.uploads_trained_weights()
 
+    def upload_is_trained_weights(self) -> bool:
+        """Whether the cohort trainer may build this round's upload from the
+        stacked weights: no :meth:`upload` of its own and no read of the
+        trained model (:meth:`reads_trained_model`)."""
+        return not self.overrides("upload") and not self.reads_trained_model()
+
     # ------------------------------------------------------------------ loop
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         """Plain SGD with the run's momentum and weight decay, fresh every round."""
@@ -343,10 +349,10 @@ class LocalSolver:
 
         ``arrays``: the upload, when the caller built it from the trained
         weights itself (the cohort trainer, which holds every client's weights
-        stacked); only for a solver that does not :meth:`reads_trained_model`,
+        stacked); only when :meth:`upload_is_trained_weights`,
         whose ``end_round`` and ``upload`` do not read ``model`` then."""
         self.local_steps = int(metrics.get("local-steps", 0))
-        if arrays is not None and (self.reads_trained_model() or self.overrides("upload")):
+        if arrays is not None and not self.upload_is_trained_weights():
             raise TypeError(f"{type(self).__name__} builds its own upload; close_round takes no arrays for it")
         extra = self.end_round(model, state)
         self.messages.check_records(self.cfg.algo, "to_server", extra)

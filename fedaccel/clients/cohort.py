@@ -567,7 +567,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     and write; only ``local_training`` is replaced: each client's
     ``before_steps``, then :func:`train_stacked` (the steps of :func:`train_cohort`).
     For a solver that uploads its trained weights as they are and reads no
-    model after the steps (:meth:`LocalSolver.reads_trained_model`), the upload is built from
+    model after the steps (:meth:`LocalSolver.upload_is_trained_weights`), the upload is built from
     the stacked weights (:func:`_weight_records`) and handed to
     ``close_round``, instead of loaded into ``model`` and read back.
     Jobs with the same learning rate and epoch count train together, at most
@@ -647,15 +647,14 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
                     rows: list[int], part: list[tuple[int, CohortMember]]) -> list[ArrayRecord | None]:
     """The reply's ``arrays`` of every member whose solver uploads its trained
     weights as they are and reads no model after the steps
-    (:meth:`LocalSolver.reads_trained_model`), built
+    (:meth:`LocalSolver.upload_is_trained_weights`), built
     from the stacked weights: what ``state_to_arrays(model)`` gives once the
     member's weights are loaded, byte for byte, without loading them (a
     third of the per-client cost of a batched FedAvg round). None for the
     others, and for everyone when the model's state holds more than its
     parameters (buffers), in another order, or a parameter that is not
     C-contiguous (whose upload Flower writes in its own order)."""
-    builds = [not member.solver.overrides("upload") and not member.solver.reads_trained_model()
-              for _, member in part]
+    builds = [member.solver.upload_is_trained_weights() for _, member in part]
     if (not any(builds) or list(range(len(model_state))) != param_slots
             or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)

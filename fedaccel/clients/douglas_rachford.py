@@ -129,10 +129,10 @@ class DouglasRachfordSolver(LocalSolver):
         device = next(model.parameters()).device
         entries = model.state_dict()
         layout = tensor_layout(entries)
-        if len({dtype for _, dtype, _ in layout}) > 1:
-            raise ConfigError(f"{self.cfg.algo}: the model's state mixes dtypes "
-                              f"({sorted({dtype for _, dtype, _ in layout})}); Douglas-Rachford keeps "
-                              "y, x and xhat as flat vectors of one dtype")
+        dtypes = {dtype for _, dtype, _ in layout}
+        if len(dtypes) > 1:
+            raise ConfigError(f"{self.cfg.algo}: the model's state mixes dtypes ({sorted(dtypes)}); "
+                              "Douglas-Rachford keeps y, x and xhat as flat vectors of one dtype")
         self._layout, size = layout, flat_size(layout)
         # the model's own tensors, read before training starts (a copy)
         received = torch.cat([v.detach().reshape(-1) for v in entries.values()])

@@ -305,16 +305,14 @@ class ContextState(VersionedState):
         return out
 
     def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        layout = tensor_layout(tensors)
         groups: dict[str, list[torch.Tensor]] = {}
-        layout = []
-        for k, v in tensors.items():
-            dtype = _dtype_name(v.dtype)
+        for (_, dtype, _), v in zip(layout, tensors.values()):
             groups.setdefault(dtype, []).append(v.detach().reshape(-1))
-            layout.append((k, dtype, tuple(v.shape)))
         key = f"fedaccel.v{version}.{name}"
         self.record[key] = arrays_to_record(
             (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items())
-        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(tuple(layout))})
+        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(layout)})
 
     def _read_flat(self, version: int, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """The stored flat Array itself (no split into tensors)."""

@@ -89,8 +89,8 @@ def preconditioned_mix(
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     covered: dict[str, torch.Tensor] = {}
     for layer in layers:
-        rows, cols = layer_matrix(first_arrays, layer)[0].shape
-        keys = layer_matrix(first_arrays, layer)[1]
+        first_matrix, keys = layer_matrix(first_arrays, layer)
+        rows, cols = first_matrix.shape
         sizes = [foof.triangle_side(int(np.asarray(pre[layer]).size)) for _, pre, _ in clients]
         d = sizes[0]
         for size in sizes:
@@ -102,7 +102,7 @@ def preconditioned_mix(
         full = d == rows * cols != cols
         eye = damping * torch.eye(d, dtype=torch.float64)
         m_sum, r_sum = None, None
-        # clients a group at a time (a group's matrices at most max_bytes), the sums client by client
+        # clients a group at a time (a group's matrices at most MIX_GROUP_BYTES), the sums client by client
         group = max(1, MIX_GROUP_BYTES // (2 * d * d * 8))
         for begin in range(0, len(clients), group):
             part = clients[begin:begin + group]
