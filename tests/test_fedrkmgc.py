@@ -227,6 +227,17 @@ def test_fedrkmgc_server_unweighted_mean_then_relaxation_by_hand():
     np.testing.assert_allclose(one_round(build(rho=1.5, variant="fast-km"), X, MODELS, COUNTS), [2.0, 2.0], atol=1e-6)
 
 
+def test_rho_beyond_two_is_run_as_the_papers_figure_5_does():
+    """Appendix D.3 (Figure 5) runs rho in {2.1, ..., 4.0} outside the
+    recommended (0, 2]: accepted, and the same rule, by hand:
+    (1 - 3) [1, 2] + 3 [2, 2] = [4, 2]. A rho <= 0 is refused in one line."""
+    np.testing.assert_allclose(one_round(build(rho=3.0), X, MODELS, COUNTS), [4.0, 2.0], atol=1e-6)
+    assert cfg(rho=4.0, gamma=0.1).algo_params.rho == 4.0
+    for bad in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="fedrkmgc.rho"):
+            cfg(rho=bad)
+
+
 # --------------------------------------------------------------------------- #
 # 5. heterogeneous least squares, full participation
 # --------------------------------------------------------------------------- #
