@@ -31,6 +31,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from fedaccel.clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
 from fedaccel.clients.base import TrainData
 from fedaccel.clients.state import ContextState
+from fedaccel.config import ConfigError
 from fedaccel.contract import train_config_record
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse
@@ -102,6 +103,18 @@ def test_rules_on_tensors_and_alpha():
     torch.testing.assert_close(reflect(t([0.75, 2.75]), t([1.5, 1.5])), t([0.0, 4.0]))
     torch.testing.assert_close(server_step(x, t([6.0, -3.0]), 3), t([5.0, -1.0]))
     torch.testing.assert_close(y, t([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("algo", ["fedcdr", "feddr"])
+def test_alpha_range_is_the_papers_half_open_interval(algo):
+    """FedCDR appendix A: "alpha in (0, 2] is a relaxation coefficient": 2 is
+    accepted (relax by hand: [1, 2] + 2 ([3, 0] - [2, 1]) = [3, 0]), 0 and
+    anything above 2 are refused in one line naming the key."""
+    assert dr_cfg(algo, alpha=2.0).algo_params.alpha == 2.0
+    torch.testing.assert_close(relax(t([1.0, 2.0]), t([3.0, 0.0]), t([2.0, 1.0]), 2.0), t([3.0, 0.0]))
+    for bad in (0.0, 2.01, -1.0):
+        with pytest.raises(ConfigError, match=f"{algo}.alpha"):
+            dr_cfg(algo, alpha=bad)
 
 
 def test_server_step_keeps_mean_of_xhat():

@@ -59,7 +59,8 @@ class DouglasRachfordParams:
 
     def validate(self, prefix: str) -> None:
         require(self.eta > 0, f"{prefix}.eta", self.eta, "must be > 0")
-        require(0 < self.alpha < 2, f"{prefix}.alpha", self.alpha, "must be in (0, 2)")
+        # FedCDR appendix A: "alpha in (0, 2] is a relaxation coefficient" (Themelis & Patrinos 2020)
+        require(0 < self.alpha <= 2, f"{prefix}.alpha", self.alpha, "must be in (0, 2]")
         require(self.prox_start in PROX_STARTS, f"{prefix}.prox-start", self.prox_start,
                 f"allowed: {', '.join(PROX_STARTS)}")
         require(self.init in INITS, f"{prefix}.init", self.init, f"allowed: {', '.join(INITS)}")
