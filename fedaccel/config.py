@@ -75,7 +75,10 @@ class GCConfig:
     GC (global GC in hybrid). ``vectors`` (``gc.vectors``): keep | mean, what
     GC does to 1-D tensors. ``weight_decay`` (``gc.weight-decay``):
     centralized | raw, whether local GC centralizes the optimizer's weight-decay
-    term too. See fedaccel/clients/gradient_centralization.py.
+    term too. ``global_scope`` (``gc.global-scope``): split | all, whether
+    hybrid's Global GC centralizes the global tensors' update only or every
+    tensor's (Algorithm 1 line 14 as written). See
+    fedaccel/clients/gradient_centralization.py.
     """
 
     mode: str = "none"
@@ -83,6 +86,7 @@ class GCConfig:
     global_layers: str = "fc"
     vectors: str = "keep"
     weight_decay: str = "centralized"
+    global_scope: str = "split"
 
 
 GC_MODES = ("auto", "none", "local", "global", "hybrid", "local-only")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from fedaccel.clients.gradient_centralization import VECTOR_RULES, WEIGHT_DECAY_RULES
+from fedaccel.clients.gradient_centralization import GLOBAL_SCOPES, VECTOR_RULES, WEIGHT_DECAY_RULES
 from fedaccel.clients.state import CLIENT_STATES
 from fedaccel.data import DATASETS, PARTITIONS
 from fedaccel.data.config import PRECISIONS
@@ -47,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gc.mode": GC_MODES,
     "gc.vectors": VECTOR_RULES,
     "gc.weight-decay": WEIGHT_DECAY_RULES,
+    "gc.global-scope": GLOBAL_SCOPES,
 }
 
 
@@ -194,7 +195,11 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         vectors=_string(cfg, "gc.vectors", CHOICES["gc.vectors"]) if "gc.vectors" in cfg else gc_default.vectors,
         weight_decay=(_string(cfg, "gc.weight-decay", CHOICES["gc.weight-decay"])
                       if "gc.weight-decay" in cfg else gc_default.weight_decay),
+        global_scope=(_string(cfg, "gc.global-scope", CHOICES["gc.global-scope"])
+                      if "gc.global-scope" in cfg else gc_default.global_scope),
     )
+    require(gc.global_scope == "split" or gc.mode in ("global", "hybrid"), "gc.global-scope", gc.global_scope,
+            f"'all' widens the Global GC of gc.mode='hybrid' (or 'global'); gc.mode='{gc.mode}' has none")
     require(0 <= gc.lam <= 1, "gc.lambda", cfg.get("gc.lambda"), "must be in [0, 1]")
 
     require(not (gc.mode in ("global", "hybrid") and spec.global_gc_refused), "gc.mode", gc.mode,

@@ -76,7 +76,7 @@ def test_gc_defaults_match_pyproject(pyproject):
 
     default = GCConfig()
     keys = {"lam": "gc.lambda", "global_layers": "gc.global-layers", "vectors": "gc.vectors",
-            "weight_decay": "gc.weight-decay"}
+            "weight_decay": "gc.weight-decay", "global_scope": "gc.global-scope"}
     assert {f.name for f in dataclasses.fields(GCConfig)} - set(keys) == {"mode"}
     for name, key in keys.items():
         assert pyproject[key] == getattr(default, name), key

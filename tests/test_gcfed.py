@@ -13,7 +13,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedaccel.clients.base import TrainData
 from fedaccel.clients.fedprox import FedProxSolver
 from fedaccel.clients.gradient_centralization import (
-    centralize, gc_partition, global_gc_update, in_layers, local_gc_split,
+    centralize, gc_partition, global_gc_transform, global_gc_update, in_layers, local_gc_split,
 )
 from fedaccel.clients.composition import client_gradient_transforms, server_update_transforms
 from fedaccel.contract import train_config_record
@@ -267,6 +267,53 @@ def test_gcfed_default_is_unweighted_mean_then_global_gc():
     np.testing.assert_allclose(out["fc.weight"], [[-1 / 3, -1 / 3, 2 / 3]], rtol=1e-14)
     np.testing.assert_allclose(out["fc1.weight"], [[4 / 3, 2.0], [5 / 3, 4 / 3]], rtol=1e-14)
     np.testing.assert_allclose(out["fc.bias"], [5 / 3], rtol=1e-14)
+
+
+def test_global_scope_all_centralizes_every_tensor_of_the_update_by_hand():
+    """gc.global-scope='all': Algorithm 1 line 14's "P Delta" on the whole
+    update (the authors' code). The local fc1.weight's mean update
+    [[4/3, 2], [2/3, 1/3]] (row means 5/3, 1/2) is centralized too:
+    X0 + [[-1/3, 1/3], [1/6, -1/6]] = [[-1/3, 1/3], [7/6, 5/6]]; fc.weight as
+    with the default 'split'; 1-D tensors keep their update (gc.vectors 'keep')."""
+    cfg = run_cfg("gcfed", **{"gc.global-scope": "all"})
+    assert cfg.gc.global_scope == "all" and run_cfg("gcfed").gc.global_scope == "split"
+    out = one_round(get_algorithm("gcfed").build_strategy(cfg, Federation(dict(NODES))),
+                    rec(**named(X0)), [rec(**named(c)) for c in CLIENTS], [1, 1, 2])
+    np.testing.assert_allclose(out["fc1.weight"], [[-1 / 3, 1 / 3], [7 / 6, 5 / 6]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc.weight"], [[-1 / 3, -1 / 3, 2 / 3]], rtol=1e-14)
+    np.testing.assert_allclose(out["fc1.bias"], [2 / 3, 4 / 3], rtol=1e-14)
+    np.testing.assert_allclose(out["fc.bias"], [5 / 3], rtol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["none", "local", "local-only"])
+def test_global_scope_all_without_global_gc_is_refused(mode):
+    with pytest.raises(ConfigError, match="gc.global-scope"):
+        run_cfg("gcfed", **{"gc.mode": mode, "gc.global-scope": "all"})
+    with pytest.raises(ConfigError, match="gc.global-scope"):
+        run_cfg("gcfed", **{"gc.global-scope": "every"})
+    assert run_cfg("fedavg", **{"gc.mode": "global", "gc.global-scope": "all"}).gc.global_scope == "all"
+
+
+def test_global_scope_all_is_the_split_when_local_updates_are_centralized():
+    """With the decay centralized, every local step of a local tensor is
+    centralized, so is the mean update: 'all' and 'split' agree (section 3.3:
+    the locally projected layers "remain unaffected"); with 'raw' decay the
+    local tensors' update is not, and only 'all' centralizes it."""
+    update = fedprox_one_step(**{"gc.mode": "local", "weight-decay": 0.1, "momentum": 0.9,
+                                 "local-epochs": 2, "batch-size": 4})["fc1.weight"]
+    old = rec(w=np.zeros(tuple(update.shape)))
+    new = rec(w=update.double().numpy())
+    split = global_gc_transform("hybrid", 1.0, "fc")(old, new)  # 'w' is a local tensor: left as it is
+    every = global_gc_transform("hybrid", 1.0, "fc", scope="all")(old, new)
+    np.testing.assert_array_equal(split["w"].numpy(), update.double().numpy())
+    np.testing.assert_allclose(every["w"].numpy(), split["w"].numpy(), atol=1e-7)
+    raw = fedprox_one_step(**{"gc.mode": "local", "gc.weight-decay": "raw", "weight-decay": 0.1,
+                              "momentum": 0.9, "local-epochs": 2, "batch-size": 4})["fc1.weight"]
+    kept = global_gc_transform("hybrid", 1.0, "fc")(old, rec(w=raw.double().numpy()))  # 'w' local: untouched
+    np.testing.assert_array_equal(kept["w"].numpy(), raw.double().numpy())
+    centered = global_gc_transform("hybrid", 1.0, "fc", scope="all")(old, rec(w=raw.double().numpy()))
+    np.testing.assert_allclose(centered["w"].numpy().mean(axis=1), 0.0, atol=1e-12)
+    assert float(np.abs(raw.double().numpy().mean(axis=1)).max()) > 1e-4
 
 
 # --------------------------------------------------------------------------- #

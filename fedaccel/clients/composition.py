@@ -17,7 +17,7 @@ Layers wired here:
 
 - GC-Fed's gradient centralization, ``gc.mode`` in none | local | global |
   hybrid | local-only (``gc.lambda``, ``gc.global-layers``, ``gc.vectors``,
-  ``gc.weight-decay``): local GC is a client gradient transform on the local
+  ``gc.weight-decay``, ``gc.global-scope``): local GC is a client gradient transform on the local
   tensors, global GC a server update transform on the global ones
   (fedaccel/clients/gradient_centralization.py, docs/fedacg-gcfed.md).
 """
@@ -82,5 +82,6 @@ def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:
     out: list[UpdateTransform] = []
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode in ("global", "hybrid"):
-        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers, gc.vectors))
+        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers, gc.vectors,
+                                       getattr(gc, "global_scope", "split")))
     return out

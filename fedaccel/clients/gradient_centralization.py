@@ -76,6 +76,12 @@ from flwr.app import Array, ArrayRecord
 GC_MODES = ("none", "local", "global", "hybrid", "local-only")
 VECTOR_RULES = ("keep", "mean")
 WEIGHT_DECAY_RULES = ("centralized", "raw")
+# gc.global-scope: which tensors of the aggregated update Global GC centralizes
+# in hybrid mode: the global tensors of the split (the paper's section 3.3
+# text, the default) or every tensor (Algorithm 1, line 14, "P Delta", and the
+# authors' code). Identical unless the local tensors' mean update is not
+# already centralized (gc.weight-decay='raw' with weight decay, clipping).
+GLOBAL_SCOPES = ("split", "all")
 
 
 def centralize(tensor: torch.Tensor, vectors: str = "keep", leading: int = 0) -> torch.Tensor:
@@ -241,15 +247,23 @@ def global_gc_update(old: ArrayRecord, new: ArrayRecord, names: Iterable[str],
 
 
 def global_gc_transform(mode: str, lam: float, global_layers: str | Sequence[str],
-                        vectors: str = "keep") -> Callable[[ArrayRecord, ArrayRecord], ArrayRecord]:
+                        vectors: str = "keep", scope: str = "split"
+                        ) -> Callable[[ArrayRecord, ArrayRecord], ArrayRecord]:
     """Server update transform ``f(old, new) -> new`` applying Global GC to the
     global tensors of ``mode`` (:func:`gc_partition`; none for ``none``,
-    ``local`` and ``local-only``). The split is computed from the ArrayRecord's
+    ``local`` and ``local-only``), or with ``scope='all'`` (``global`` and
+    ``hybrid`` only) to every tensor of the update, Algorithm 1 line 14's
+    ``P Delta`` as written. The split is computed from the ArrayRecord's
     key order, which is ``named_parameters()`` order for this repo's models
     (they hold no buffers: no BatchNorm, see fedaccel/models/__init__.py)."""
+    if scope not in GLOBAL_SCOPES:
+        raise ValueError(f"scope must be one of {GLOBAL_SCOPES}, got {scope!r}")
+    if scope == "all" and mode not in ("global", "hybrid"):
+        raise ValueError(f"scope 'all' needs a mode with Global GC (global, hybrid), got {mode!r}")
 
     def transform(old: ArrayRecord, new: ArrayRecord) -> ArrayRecord:
-        _, global_names = gc_partition(mode, list(new.keys()), lam, global_layers)
+        global_names = (list(new.keys()) if scope == "all"
+                        else gc_partition(mode, list(new.keys()), lam, global_layers)[1])
         if not global_names:
             return new
         return global_gc_update(old, new, global_names, vectors)
