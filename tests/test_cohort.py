@@ -349,6 +349,25 @@ def test_a_model_without_its_own_batched_forward_goes_through_vmap(algo: str, ch
                       cohort_round(cfg, model, datas, states, 1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("algo, changes", [("fedavg", {}), ("fedprox", {})])
+def test_the_vmapped_cnn_on_a_gpu_equals_the_per_client_round_without_tf32(algo: str, changes: dict,
+                                                                          monkeypatch) -> None:
+    """The CNN through ``vmap`` on a GPU (its convolutions become one grouped
+    convolution over the clients) equals the per-client round to float32
+    rounding with TF32 off; with cuDNN's default TF32 the two differ at TF32's
+    precision (measured by ``bench/gpu_check.py``'s equivalence step, not
+    asserted here)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cfg = run_cfg(algo, **{"batch-size": 8, "momentum": 0.5, "device": "cuda", **changes})
+    model = make_model(name="cnn-small", shape=(1, 8, 8)).cuda()
+    datas = [TrainData(x=d.x.cuda(), y=d.y.cuda()) for d in clients([11, 3, 20], shape=(1, 8, 8))]
+    states = [ContextState(RecordDict()) for _ in datas]
+    assert_same_round(per_client_round(cfg, model, datas, states, 1),
+                      cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1))
+
+
 @pytest.mark.parametrize("name", ["logreg", "mlp", "mlp200"])
 def test_each_models_batched_forward_is_its_forward(name: str) -> None:
     copies = [make_model(seed, name, (1, 5, 4)) for seed in range(3)]
@@ -360,20 +379,26 @@ def test_each_models_batched_forward_is_its_forward(name: str) -> None:
     torch.testing.assert_close(batched_forward(copies[0])(params, x), expected, atol=ATOL, rtol=RTOL)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["logreg", "mlp", "mlp200"])
 @pytest.mark.parametrize("copies, dtype", [(1, torch.float32), (4, torch.float32), (3, torch.float64)])
-def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, copies: int, dtype) -> None:
+def test_each_models_written_out_backward_is_autograds_bit_for_bit(name: str, copies: int, dtype, device) -> None:
     """``batched_loss_and_grads`` (the backward written out) equals
     ``torch.autograd.grad`` through ``batched_forward`` exactly, padding
-    included (the mask is float32 in a float64 run, as the trainer builds it)."""
-    models = [make_model(seed, name, (1, 5, 4)).to(dtype) for seed in range(copies)]
+    included (the mask is float32 in a float64 run, as the trainer builds it);
+    on a GPU too, where both call the same cuBLAS products."""
+    models = [make_model(seed, name, (1, 5, 4)).to(device=device, dtype=dtype) for seed in range(copies)]
     names = [k for k, _ in models[0].named_parameters()]
     params = [torch.stack([dict(m.named_parameters())[k].detach() for m in models]).requires_grad_()
               for k in names]
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(copies, 9, 1, 5, 4, generator=gen, dtype=dtype)
-    y = torch.randint(0, 3, (copies, 9), generator=gen)
-    real = torch.ones(copies, 9)
+    x = torch.randn(copies, 9, 1, 5, 4, generator=gen, dtype=dtype).to(device)
+    y = torch.randint(0, 3, (copies, 9), generator=gen).to(device)
+    real = torch.ones(copies, 9, device=device)
     real[-1, 4:] = 0  # the last client's mini-batch is padded (its epoch's last batch)
     count = real.sum(dim=1)
     out = models[0].batched_forward(dict(zip(names, params)), x)
