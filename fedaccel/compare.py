@@ -141,7 +141,7 @@ def assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
 # sizes and the test-set size (Synthetic's clients and a Dirichlet split
 # change with the seed). Not settings: runs differing in them still group.
 SEED_DRAWN = frozenset({"partition-sizes", "global-test-size",
-                        "torch-threads"})  # the machine's, not a setting: recorded for reproducing
+                        "torch-threads", "environment"})  # the machine's, not settings: recorded for reproducing
 
 
 def _group_key(config: dict) -> str:

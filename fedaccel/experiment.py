@@ -33,7 +33,7 @@ from fedaccel.run_config import parse_run_config
 from fedaccel.results import RunRecorder
 from fedaccel.trackers import open_tracker, require_tracker
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name, optimum_of
-from fedaccel.torch_utils import evaluate, select_device, state_to_arrays
+from fedaccel.torch_utils import environment, evaluate, select_device, state_to_arrays
 from fedaccel.cohort_nodes import CohortNodes
 from fedaccel.grids import PromptGrid
 from fedaccel.membership import Federation, query_partitions
@@ -147,6 +147,8 @@ class Experiment:
             # float sums are split across threads: the same seed gives the same
             # bits with the same thread count (docs/measurements.md)
             "torch-threads": torch.get_num_threads(),
+            # and with the same libraries and CPU dispatch (the same machine type)
+            "environment": environment(self.device),
         })
         if self.optimum is not None:  # and where the run starts (round 0), for rates from the start
             start_gap, start_dist = self.optimum.measure(self.model.state_dict())

@@ -21,6 +21,46 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def environment(device: torch.device) -> dict[str, str | int]:
+    """What a run's numbers depend on beyond its config and seed: library
+    versions, the CPU's vector instruction set that torch dispatches to, the
+    CPU model and torch's thread count (float sums are split across threads),
+    and the GPU when the run uses one. The same seed gives the same bits where
+    these are the same; elsewhere the last bits may differ and grow over a
+    long run (docs/measurements.md)."""
+    import platform
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    out: dict[str, str | int] = {
+        "python": platform.python_version(), "torch": torch.__version__, "numpy": version("numpy"),
+        "flwr": version("flwr"), "torch-threads": torch.get_num_threads(),
+        "cpu-capability": torch.backends.cpu.get_cpu_capability(), "cpu": _cpu_model(),
+    }
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else the platform's word for it."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def derive_seed(*parts: int | str) -> int:
     """A stable 63-bit seed from parts (run seed, round, partition id, purpose).
 

@@ -43,6 +43,9 @@ def test_every_algorithm_runs_and_writes_results(tmp_path, algo):
     assert run_dir == (tmp_path / algo).resolve()
     config = json.loads((run_dir / "config.json").read_text())
     assert config["algo"] == algo and config["resolved"]["num-clients"] == 6
+    # where it ran: what the same seed needs to give the same bits (docs/measurements.md)
+    assert config["resolved"]["environment"]["torch-threads"] == config["resolved"]["torch-threads"]
+    assert config["resolved"]["environment"]["cpu-capability"]
     rows = read_metrics(run_dir)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     # The model keeps its dtype: every round moves the same number of bytes.

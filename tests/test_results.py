@@ -7,6 +7,7 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from fedaccel import compare
 from fedaccel.results import STANDARD_KEYS, RunRecorder, load_run, plot_curves, summarize
@@ -319,6 +320,24 @@ def test_nan_accuracy_is_missing(tmp_path):
                    "bytes_up": 0, "bytes_down": 0, "seconds": 0.0})
     rec.close()
     assert json.loads((tmp_path / "r" / "metrics.jsonl").read_text())["accg"] is None
+
+
+def test_runs_of_two_machines_group_together_and_say_where_they_ran(tmp_path):
+    """The resolved config records the run's environment (libraries, CPU
+    dispatch, threads): the same seed gives the same bits only where it is the
+    same. Two runs that differ only there (and in the seed) still group."""
+    from fedaccel.torch_utils import environment
+
+    here = environment(torch.device("cpu"))
+    assert {"python", "torch", "numpy", "flwr", "torch-threads", "cpu-capability", "cpu"} <= set(here)
+    assert here["torch"] == torch.__version__ and here["torch-threads"] == torch.get_num_threads()
+
+    def config(seed, cpu):
+        return {"algo": "fedavg", "seed": seed, "run-name": f"r{seed}",
+                "resolved": {"seed": seed, "model": "mlp", "environment": {**here, "cpu": cpu}}}
+    runs = [compare.RunInfo(tmp_path / f"r{seed}", config(seed, cpu), [], {})
+            for seed, cpu in ((0, "AMD EPYC"), (1, "Intel Xeon"))]
+    assert [g.seeds for g in compare.group_by_seed(runs)] == [[0, 1]]
 
 
 def test_group_seeds_ignores_what_the_seed_draws(tmp_path):
