@@ -572,7 +572,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     ``close_round``, instead of loaded into ``model`` and read back.
     Jobs with the same learning rate and epoch count train together, at most
     ``max_clients`` at a time (chunks one after another: each client's
-    gradient is its own, so chunking changes nothing but memory). An
+    gradient is its own, so chunking changes memory and, where the machine's batched
+    matrix products round by batch size, float32 rounding: docs/cohort-batching.md). An
     exception of a type in ``errors`` raised for one job is returned in its
     place (that client's error reply); the others go on."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
