@@ -59,7 +59,7 @@ KIT = ROOT / ".gpu-kit"
 # versions Flower was installed with here. Each at the version installed here.
 KIT_DISTRIBUTIONS = (
     "flwr", "flwr-datasets", "datasets", "dill", "multiprocess", "cryptography", "cffi", "pycryptodome",
-    "iterators", "grpcio", "grpcio-health-checking", "protobuf", "tomli", "tomli_w",
+    "iterators", "grpcio", "grpcio-health-checking", "protobuf", "tomli", "tomli_w", "sniffio", "pycparser",
 )
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
