@@ -389,7 +389,18 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
             "rounds": rounds, "device": device,
             "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
-            "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T")}
+            "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T"),
+            "environment": _environment(device)}
+
+
+def _environment(device: str) -> dict[str, Any]:
+    """Where the cell was measured (CPU model and dispatch, libraries): timings
+    of different machines are not comparable, only ratios within one invocation."""
+    import torch
+
+    from fedaccel.torch_utils import environment
+
+    return environment(torch.device(device))
 
 
 def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
