@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -128,3 +130,12 @@ def by_node(msgs: list[Message]) -> dict[int, Message]:
 
 def eval_record(n: int, acc: float, loss: float) -> RecordDict:
     return RecordDict({"metrics": MetricRecord({"num-examples": n, "accuracy": acc, "loss": loss})})
+
+
+def bench_script(name: str):
+    """``bench/<name>.py`` loaded as a module (the bench scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,20 +3,17 @@ fast runner train the same clients the same way and end at the same model."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes import bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _overhead():
-    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "bench" / "overhead.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("overhead")
 
 
 @pytest.mark.parametrize("algo, mode", [("fedavg", "fast"), ("fedcdr", "cohort"),

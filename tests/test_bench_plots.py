@@ -4,11 +4,11 @@ axis labels and series labels it had before (no training runs)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes import bench_script
 
 # about 5 s (torch import and one matplotlib render per figure): the full suite runs it
 pytestmark = pytest.mark.slow
@@ -23,10 +23,7 @@ def _bench_on_path(monkeypatch):
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script(name)
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ smallest runs end to end, with key=value tokens overriding the file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from fakes import bench_script
 
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, parse_overrides, run_local
@@ -128,10 +128,7 @@ def test_smallest_file_runs_end_to_end_and_tokens_override_it(tmp_path):
 
 def _bench(monkeypatch, name):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the scripts import bench/runner.py
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script(name)
 
 
 def _fedcdr(monkeypatch, table):
