@@ -12,7 +12,8 @@ own time limit, so that one hang or failure costs only its own step:
 3. ``equivalence``: how far a batched round is from the per-client round on
    the GPU, measured rather than asserted: the MLP (FedAvg, FedCDR, FedPM) and
    the McMahan CNN through ``vmap`` (FedAvg), with TF32 as PyTorch sets it by
-   default and with TF32 off (``equivalence.json``);
+   default (off for matrix products, on for cuDNN) and with TF32 off
+   (``equivalence.json``);
 4. ``overhead-100`` and ``overhead-10``: ``bench/overhead.py --device cuda``,
    the Synthetic MLP's table (bare loop, fast runner one client after another,
    batched) at 100 and 10 clients per round;
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,13 +62,15 @@ KIT = ROOT / ".gpu-kit"
 KIT_DISTRIBUTIONS = (
     "flwr", "flwr-datasets", "datasets", "dill", "multiprocess", "cryptography", "cffi", "pycryptodome",
     "iterators", "grpcio", "grpcio-health-checking", "protobuf", "tomli", "tomli_w", "sniffio", "pycparser",
+    "trio", "outcome",
 )
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                  "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 SITE = Path("/tmp/fedaccel-gpu-site")  # where run installs the kit's wheels
-PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+# wheels for any x86-64 Linux with glibc 2.28 or newer
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
 
 
 # ----------------------------------------------------------------------------- pack (here)
@@ -117,13 +121,16 @@ def install_kit(kit: Path) -> str | None:
     wheels = sorted((kit / "wheels").glob("*.whl"))
     if not wheels:
         return f"no wheels in {kit / 'wheels'}: run `python bench/gpu_check.py pack` where pip works"
-    if not (SITE / ".installed").exists():
+    marker = SITE / ".installed"
+    wanted = "\n".join([sys.version.split()[0], *(w.name for w in wheels)])
+    if not marker.exists() or marker.read_text() != wanted:  # another kit or another Python: anew
+        shutil.rmtree(SITE, ignore_errors=True)
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
                                "--no-compile", "--no-cache-dir", "--upgrade", "--target", str(SITE),
                                *map(str, wheels)], capture_output=True, text=True)
         if done.returncode != 0:
             return "pip install of the kit failed: " + (done.stderr.strip().splitlines() or ["?"])[-1]
-        (SITE / ".installed").write_text("\n".join(w.name for w in wheels))
+        marker.write_text(wanted)
     return None
 
 
@@ -145,6 +152,24 @@ def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[st
         ("overhead-fmnist", bench + ["--workloads", "mlp-fmnist", "mlp200-fmnist", "cnn-fmnist", "--algos",
                                      "fedavg", "--modes", "bare", "fast", "cohort", "--rounds", "5"], 300, True),
     ]
+
+
+def run_step(cmd: list[str], env: dict[str, str], log, limit: float) -> str:
+    """Run one step in a session of its own, so that at its time limit the
+    step and every process it started (bench/overhead.py measures in child
+    processes) are stopped, not left running beside the next step."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what the step left behind (nothing, when it ended well)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return "timed out" if code is None else "passed" if code == 0 else f"failed (exit {code})"
 
 
 def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str = "cuda") -> int:
@@ -173,6 +198,8 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
     if (fmnist / "fashion-mnist" / FASHION_FILES[0]).is_file():
         env["FEDACCEL_DATA_DIR"] = str(fmnist)
     failed = 0
+    # a step starts when a minute (or its limit) is left; one that the budget
+    # cuts is "cut at the budget", not a failure
     for name, cmd, limit, needs_fmnist in step_commands(out, sys.executable, device):
         if only and name not in only:
             continue
@@ -186,14 +213,11 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
             reason = ""
             say(f"{name}: {' '.join(cmd[1:])} (at most {min(limit, left):.0f} s)")
             t0 = time.monotonic()
-            try:
-                done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=min(limit, left))
-                status = "passed" if done.returncode == 0 else f"failed (exit {done.returncode})"
-            except subprocess.TimeoutExpired:
-                status = "timed out"
+            status = run_step(cmd, env, log, min(limit, left))
+            if status == "timed out" and left < limit:
+                status = "cut at the budget"  # not a failure: the budget ran out
             seconds = time.monotonic() - t0
-            failed += status != "passed"
+            failed += status not in ("passed", "cut at the budget")
         say(f"{name}: {status}{' (' + reason + ')' if reason else ''} in {seconds:.0f} s")
         with open(out / "steps.jsonl", "a") as f:
             f.write(json.dumps({"step": name, "status": status, "reason": reason, "seconds": round(seconds, 1)}) + "\n")
@@ -227,14 +251,20 @@ def env_step(out: Path, device: str) -> int:
 
 def round_difference(algo: str, model_name: str, device: str, tf32: bool, changes: dict[str, Any]) -> dict[str, Any]:
     """One round of 7 ragged clients, batched and one client after another, on
-    ``device``: the largest absolute and relative difference of their replies
-    (TF32 for matrix products and cuDNN set to ``tf32``, restored after)."""
+    ``device``: the largest absolute and relative difference of their replies.
+    ``tf32``: TF32 as PyTorch sets it by default (off for matrix products, on
+    for cuDNN's convolutions), else off for both; restored after. The row
+    records the flags it ran with."""
     import torch
 
     flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if not tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        return _round_difference(algo, model_name, device, tf32, changes)
+        row = _round_difference(algo, model_name, device, tf32, changes)
+        row.update(matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                   cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
+        return row
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 

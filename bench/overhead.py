@@ -363,6 +363,7 @@ def child(args: argparse.Namespace) -> None:
     run = {"bare": bare_run, "no-steps": no_steps_run}.get(args.child, fast_run)  # fast and cohort: fast_run
     out = run(ov, args.clients)
     out.pop("final", None)
+    out["environment"] = _environment(ov.get("device", "cpu"))  # the measuring process's own
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -390,7 +391,8 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
             "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T"),
-            "environment": _environment(device)}
+            # the measuring child's; the Ray modes': this process's (their workers run on this machine)
+            "environment": res.get("environment") or _environment(device)}
 
 
 def _environment(device: str) -> dict[str, Any]:

@@ -327,11 +327,18 @@ def restore_carried_state(strategy: Any, ckpt: Checkpoint) -> None:
                                                  like=getattr(strategy, name)))
 
 
+# Run-config keys added after checkpoints were written, with the value that
+# does what runs did before the key existed: a checkpoint without the key
+# ran with that value (and resumes with it).
+KEYS_ADDED_LATER = {"gc.global-scope": "split"}
+
+
 def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    """``key=given (checkpoint: saved)`` for every key (but :data:`UNCHECKED_KEYS`) that differs."""
+    """``key=given (checkpoint: saved)`` for every key (but :data:`UNCHECKED_KEYS`) that differs;
+    a key the checkpoint predates counts as its :data:`KEYS_ADDED_LATER` value."""
     out = []
     for key in sorted((set(saved) | set(given)) - UNCHECKED_KEYS):
-        a, b = saved.get(key, "<absent>"), given.get(key, "<absent>")
+        a, b = saved.get(key, KEYS_ADDED_LATER.get(key, "<absent>")), given.get(key, "<absent>")
         if a != b or type(a) is not type(b):
             out.append(f"{key}={config_literal(b)} (checkpoint: {config_literal(a)})")
     return out

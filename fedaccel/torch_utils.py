@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,6 @@ def environment(device: torch.device) -> dict[str, str | int]:
     and the GPU when the run uses one. The same seed gives the same bits where
     these are the same; elsewhere the last bits may differ and grow over a
     long run (docs/measurements.md)."""
-    import platform
     from importlib import metadata
 
     def version(name: str) -> str:
@@ -49,8 +49,6 @@ def environment(device: torch.device) -> dict[str, str | int]:
 
 def _cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else the platform's word for it."""
-    import platform
-
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -29,8 +29,6 @@ def test_steps_run_in_order_of_worth_and_go_to_the_device_asked_for(tmp_path):
         assert needs_fmnist == (name in ("cnn-1000", "overhead-fmnist")), name
     cnn = dict((name, cmd) for name, cmd, *_ in steps)["cnn-1000"]
     assert cnn[cnn.index("--clients") + 1] == cnn[cnn.index("--per-round") + 1] == "1000"
-    # the whole run fits a 10-minute call with the default budget: no step outlives it
-    assert max(limit for *_, limit, _ in steps) <= 480
 
 
 def test_a_spent_budget_skips_every_step_and_says_so(tmp_path):
@@ -40,6 +38,32 @@ def test_a_spent_budget_skips_every_step_and_says_so(tmp_path):
     assert [r["step"] for r in rows][:3] == ["env", "pytest", "equivalence"]
     assert all(r["status"] == "skipped" and r["reason"] for r in rows)
     assert "done in" in (tmp_path / "out" / "log.txt").read_text()
+
+
+def test_a_step_that_overruns_is_stopped_with_the_processes_it_started(tmp_path):
+    """bench/overhead.py measures in child processes: a step stopped at its
+    limit takes its children with it, and the budget's cut is not a failure."""
+    import os
+    import time
+
+    gpu_check = _gpu_check()
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with open(tmp_path / "log.txt", "w") as log:
+        t0 = time.monotonic()
+        assert gpu_check.run_step([sys.executable, "-c", script], dict(os.environ), log, limit=3) == "timed out"
+        assert time.monotonic() - t0 < 30
+        assert gpu_check.run_step([sys.executable, "-c", "pass"], dict(os.environ), log, limit=30) == "passed"
+        assert gpu_check.run_step([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), log,
+                                  limit=30) == "failed (exit 3)"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and \
+            "Z" not in open(f"/proc/{child}/stat").read().split()[2]:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
 
 
 def test_an_unknown_step_is_refused_in_one_line():

@@ -253,6 +253,21 @@ def test_a_resume_key_with_another_config_is_refused(checkpointed_run):
         run_local(run_config, num_clients=NUM_CLIENTS, quiet=True)
 
 
+def test_a_checkpoint_older_than_a_key_resumes_with_the_value_runs_had_before_it():
+    """A checkpoint written before ``gc.global-scope`` existed lacks the key:
+    it ran as ``split`` (what Global GC did then), so it matches a config
+    with ``split`` and not one with ``all``; any other missing key still
+    counts as a change."""
+    from fedaccel.checkpoint import KEYS_ADDED_LATER, config_mismatch
+
+    assert KEYS_ADDED_LATER["gc.global-scope"] == "split"
+    saved = {"algo": "gcfed", "lr": 0.05}
+    assert config_mismatch(saved, {**saved, "gc.global-scope": "split"}) == []
+    assert config_mismatch(saved, {**saved, "gc.global-scope": "all"}) == [
+        "gc.global-scope='all' (checkpoint: 'split')"]
+    assert config_mismatch(saved, {**saved, "gc.lambda": 0.5}) == ["gc.lambda=0.5 (checkpoint: '<absent>')"]
+
+
 def test_resume_with_a_new_checkpoint_interval_is_allowed(checkpointed_run, capsys):
     code, _ = cli(capsys, "--quiet", "--resume", str(checkpointed_run), "checkpoint-every=1")
     assert code == 0

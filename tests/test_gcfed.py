@@ -289,9 +289,18 @@ def test_global_scope_all_centralizes_every_tensor_of_the_update_by_hand():
 def test_global_scope_all_without_global_gc_is_refused(mode):
     with pytest.raises(ConfigError, match="gc.global-scope"):
         run_cfg("gcfed", **{"gc.mode": mode, "gc.global-scope": "all"})
+
+
+def test_global_scope_values_and_auto_modes():
+    """An unknown value is refused; 'all' goes with 'global'; gc.mode='auto'
+    resolves first, so FedAvg (auto = none) refuses 'all' and GC-Fed (auto =
+    hybrid) takes it."""
     with pytest.raises(ConfigError, match="gc.global-scope"):
         run_cfg("gcfed", **{"gc.global-scope": "every"})
     assert run_cfg("fedavg", **{"gc.mode": "global", "gc.global-scope": "all"}).gc.global_scope == "all"
+    with pytest.raises(ConfigError, match="gc.mode='none' has none"):
+        run_cfg("fedavg", **{"gc.global-scope": "all"})
+    assert run_cfg("gcfed", **{"gc.global-scope": "all"}).gc.mode == "hybrid"
 
 
 def test_global_scope_all_is_the_split_when_local_updates_are_centralized():
