@@ -42,6 +42,7 @@ them; the rows say ``cuda``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -183,8 +184,6 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
         log.flush()
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    import importlib.util
-
     if importlib.util.find_spec("flwr") is None:  # not installed here: the kit's wheels are
         problem = install_kit(kit)
         if problem:
@@ -193,10 +192,10 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     else:  # installed (a development machine): the kit's wheels are not needed
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    fmnist = kit / "data"
-    has_fmnist = (fmnist / "fashion-mnist" / FASHION_FILES[0]).is_file() or (FASHION_MNIST / FASHION_FILES[0]).is_file()
-    if (fmnist / "fashion-mnist" / FASHION_FILES[0]).is_file():
-        env["FEDACCEL_DATA_DIR"] = str(fmnist)
+    in_kit = (kit / "data" / "fashion-mnist" / FASHION_FILES[0]).is_file()
+    if in_kit:
+        env["FEDACCEL_DATA_DIR"] = str(kit / "data")
+    has_fmnist = in_kit or (FASHION_MNIST / FASHION_FILES[0]).is_file()
     failed = 0
     # a step starts when a minute (or its limit) is left; one that the budget
     # cuts is "cut at the budget", not a failure
@@ -228,25 +227,26 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
 # ----------------------------------------------------------------------------- the steps of our own
 
 def env_step(out: Path, device: str) -> int:
+    """What every run records (:func:`fedaccel.torch_utils.environment`) and the CUDA side of it."""
     import torch
 
+    from fedaccel.torch_utils import environment
+
+    cuda = torch.cuda.is_available()
     info: dict[str, Any] = {
-        "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+        **environment(torch.device(device if cuda else "cpu")), "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "cuda_available": torch.cuda.is_available(),
+        "cuda_available": cuda,
         "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }
-    if torch.cuda.is_available():
+    if cuda:
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    multiprocessors=props.multi_processor_count)
-    import flwr
-    info["flwr"] = flwr.__version__ if hasattr(flwr, "__version__") else "?"
+        info.update(gpu_memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count)
     (out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info))
-    return 0 if torch.cuda.is_available() or not device.startswith("cuda") else 1
+    return 0 if cuda or not device.startswith("cuda") else 1
 
 
 def round_difference(algo: str, model_name: str, device: str, tf32: bool, changes: dict[str, Any]) -> dict[str, Any]:

@@ -82,6 +82,5 @@ def server_update_transforms(cfg: RunConfig) -> list[UpdateTransform]:
     out: list[UpdateTransform] = []
     gc = getattr(cfg, "gc", None)
     if gc is not None and gc.mode in ("global", "hybrid"):
-        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers, gc.vectors,
-                                       getattr(gc, "global_scope", "split")))
+        out.append(global_gc_transform(gc.mode, gc.lam, gc.global_layers, gc.vectors, gc.global_scope))
     return out
