@@ -803,3 +803,105 @@ def test_a_douglas_rachford_subclass_with_its_own_upload_is_loaded_and_called() 
     results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
     assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)
     assert all(job.solver.reads_trained_model() for job in jobs)
+
+
+def _dr_round_one(cfg, model, datas, states) -> None:
+    """Round 1 of the clients with ``states`` (a batched round: its state is what round 2 reads)."""
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                      config=config_for(cfg.algo, 1), state=state,
+                      generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, (data, state) in enumerate(zip(datas, states))]
+    assert not any(isinstance(r, BaseException) for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size))
+
+
+@pytest.mark.parametrize("algo, changes", [("fedcdr", {"momentum": 0.9, "fedcdr.alpha": 0.7}),
+                                           ("feddr", {"feddr.prox-start": "local", "feddr.init": "zeros"})])
+def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit_for_bit(algo, changes) -> None:
+    """``cohort_begin_round`` sets on every solver what its own ``begin_round``
+    sets, to the bit (relaxed ``y_i``, ``xhat_i``, the anchors), and starts each
+    client where ``begin_round`` leaves the model (the received model, or its
+    own ``x_i`` with ``prox-start='local'``): clients with saved state, one
+    whose last reply was not applied (rolled back to the initial state) and
+    clients new to training."""
+    from fedaccel.clients.cohort import Opening
+
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
+    model, datas = make_model(), clients()
+    states = [ContextState(RecordDict()) for _ in datas]
+    _dr_round_one(cfg, model, datas[:4], states[:4])  # clients 4..6 have never trained
+    with torch.no_grad():  # the server moved
+        for p in model.parameters():
+            p.add_(0.01 * torch.ones_like(p))
+    configs = [dict(config_for(algo, 2), **({"accepted-round": 0} if c == 3 else {})) for c in range(len(datas))]
+    per_client_states = [ContextState(copy.deepcopy(s.record)) for s in states]
+    expected = []
+    for c, (config, state) in enumerate(zip(configs, per_client_states)):
+        solver, scratch = new_solver(cfg, model), copy.deepcopy(model)
+        solver.open_round(scratch, config, state)
+        expected.append((solver, [p.detach().clone() for p in scratch.parameters()]))
+    scratch = copy.deepcopy(model)
+    received = [t.detach().clone() for t in model.state_dict().values()]
+    solvers = [new_solver(cfg, model) for _ in datas]
+    openings = [Opening(solver, state, solver.open_round(scratch, config, state, begin=False), received)
+                for solver, config, state in zip(solvers, configs, states)]
+    begun = solvers[0].cohort_begin_round(scratch, openings)
+    assert begun is not None
+    outcomes = [s.versions() for s in states]
+    assert outcomes == [s.versions() for s in per_client_states]  # the same commit / roll-back
+    for c, ((want, start), got, got_start) in enumerate(zip(expected, solvers, begun)):
+        assert torch.equal(got._y_flat, want._y_flat) and torch.equal(got._xhat_flat, want._xhat_flat), c
+        assert list(got.y) == list(want.y) and all(torch.equal(got.y[k], want.y[k]) for k in want.y)
+        assert all(torch.equal(a, b) for a, b in zip(got._anchors, want._anchors))
+        assert got.inv_eta == want.inv_eta and got._layout == want._layout
+        assert all(torch.equal(a, b) for a, b in zip(got_start, start)), c
+    # and the cases differ: a client with saved state, a rolled-back one and a new one
+    assert not torch.equal(solvers[0]._xhat_flat, solvers[3]._xhat_flat)
+    assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)
+
+
+def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round() -> None:
+    """A client whose saved state cannot be read gets its own error reply, as
+    in its per-client round; the others of the cohort train and reply."""
+    import numpy as np
+
+    from fedaccel.arrays import arrays_to_record, from_numpy
+    from fedaccel.config import ConfigError
+
+    cfg = run_cfg("fedcdr", **{"batch-size": 16})
+    model, datas = make_model(), clients()
+    states = [ContextState(RecordDict()) for _ in datas]
+    _dr_round_one(cfg, model, datas, states)
+    states[2].record["fedaccel.v1.dr"] = arrays_to_record([("float32", from_numpy(np.zeros(3, np.float32)))])
+    with pytest.raises(ConfigError, match="damaged"):
+        new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("fedcdr", 2),
+                                   ContextState(copy.deepcopy(states[2].record)),
+                                   seeded_generator(cfg.seed, 2, 2, "train"))
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                      config=config_for("fedcdr", 2), state=state,
+                      generator=seeded_generator(cfg.seed, 2, c, "train"))
+            for c, (data, state) in enumerate(zip(datas, states))]
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ConfigError,))
+    assert isinstance(results[2], ConfigError) and "damaged" in str(results[2])
+    assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
+
+
+def test_a_douglas_rachford_subclass_with_its_own_begin_round_begins_client_by_client() -> None:
+    from fedaccel.clients.douglas_rachford import DouglasRachfordSolver
+
+    calls = []
+
+    class Logged(DouglasRachfordSolver):
+        def begin_round(self, model, config, state):
+            calls.append(1)
+            super().begin_round(model, config, state)
+
+    cfg = run_cfg("fedcdr", **{"batch-size": 16})
+    model, datas = make_model(), clients()[:3]
+    jobs = [CohortJob(solver=Logged(cfg), data=data, arrays=state_to_arrays(model), config=config_for("fedcdr", 1),
+                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, data in enumerate(datas)]
+    for job in jobs:
+        job.solver.initial_model = copy.deepcopy(model.state_dict())
+    assert jobs[0].solver.cohort_begin_round(model, []) is None
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)

@@ -116,6 +116,20 @@ class LocalSolver:
         pass); a draw from ``generator`` here comes before the steps' own
         mini-batch permutations, in both trainers. Default: nothing."""
 
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list[Any]) -> list[Any] | None:
+        """:meth:`begin_round` of many clients at once, for the cohort trainer
+        (``self`` is the first opening's solver; every opening's is of this
+        class). Each opening (:class:`fedaccel.clients.cohort.Opening`) holds
+        a client's solver, after ``open_round(..., begin=False)``, its state,
+        round config and the received model's tensors (``model.state_dict()``
+        order, read only). Returns None when it cannot (the trainer then loads
+        each client's model and calls its :meth:`begin_round`), else per
+        opening the client's starting weights (``model.parameters()`` order,
+        read only) or the exception its own :meth:`begin_round` would have
+        raised. Whatever it sets on each solver must be what
+        :meth:`begin_round` sets, to the bit. Default: None."""
+        return None
+
     def cohort_before_steps(self, model: torch.nn.Module, members: list[Any],
                             layer_inputs: Any = None) -> list[BaseException | None] | None:
         """:meth:`before_steps` of a chunk of the cohort trainer's members at
@@ -327,9 +341,11 @@ class LocalSolver:
         return self.close_round(model, data, state, metrics)
 
     def open_round(self, model: torch.nn.Module, config: dict[str, Any], state: ClientState,
-                   received: dict[str, ArrayRecord] | None = None) -> TrainConfig:
+                   received: dict[str, ArrayRecord] | None = None, begin: bool = True) -> TrainConfig:
         """Everything before the local steps: read the message against the
-        contract, settle the client state (commit protocol), :meth:`begin_round`.
+        contract, settle the client state (commit protocol), :meth:`begin_round`
+        (``begin=False``: all but that; the cohort trainer then begins a
+        chunk's rounds at once, :meth:`cohort_begin_round`).
         Returns the typed round config."""
         algo, stateful = self.cfg.algo, self.state_copies > 0
         train = self.messages.read_train_config(algo, config, stateful)
@@ -339,7 +355,8 @@ class LocalSolver:
         if stateful:
             self._state_lost = self._resolve_state(train, state)
             state.begin(train.server_round)
-        self.begin_round(model, train, state)
+        if begin:
+            self.begin_round(model, train, state)
         return train
 
     def close_round(self, model: torch.nn.Module, data: TrainData, state: ClientState,

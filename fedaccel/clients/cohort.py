@@ -556,6 +556,20 @@ class CohortJob:
     received: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Opening:
+    """One client's round between ``open_round(..., begin=False)`` and its
+    :meth:`~fedaccel.clients.base.LocalSolver.begin_round`, for a solver's
+    :meth:`~fedaccel.clients.base.LocalSolver.cohort_begin_round`: its solver,
+    state, round config and the received model's tensors (``model.state_dict()``
+    order; read only, shared by the clients that received the same record)."""
+
+    solver: LocalSolver
+    state: ClientState
+    train: Any
+    received: list[torch.Tensor]
+
+
 def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                errors: tuple[type[BaseException], ...] = (),
                max_clients: int | None = None) -> list[LocalResult | BaseException]:
@@ -583,6 +597,12 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     params = list(model.parameters())
     param_slots = [list(model_state).index(name) for name, _ in model.named_parameters()]
     loaded: dict[int, tuple[ArrayRecord, list[torch.Tensor]]] = {}  # id(arrays) -> its tensors
+    # one algorithm's solvers that begin a round for many clients at once
+    # (cohort_begin_round) settle each client's message and state first
+    first_solver = jobs[0].solver if jobs else None
+    begin_together = (first_solver is not None and first_solver.overrides("cohort_begin_round")
+                      and all(type(job.solver) is type(first_solver) for job in jobs))
+    openings: list[tuple[int, Opening]] = []
     for j, job in enumerate(jobs):
         # a solver without its own begin_round neither reads nor changes the
         # model before its steps: it starts from the received weights as they are
@@ -592,13 +612,14 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             if id(job.arrays) not in loaded:
                 load_into(model, job.arrays)
                 loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
-            elif reads_model:
-                with torch.no_grad():
-                    for target, value in zip(targets, loaded[id(job.arrays)][1]):
-                        target.copy_(value)
-            train = job.solver.open_round(model, job.config, job.state, job.received)
+            elif reads_model and not begin_together:
+                _load_received(targets, loaded[id(job.arrays)][1])
+            train = job.solver.open_round(model, job.config, job.state, job.received, begin=not begin_together)
         except errors as err:
             out[j] = err
+            continue
+        if begin_together:
+            openings.append((j, Opening(job.solver, job.state, train, loaded[id(job.arrays)][1])))
             continue
         if reads_model:
             start = [p.detach().clone() for p in params]
@@ -606,6 +627,24 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             start = [loaded[id(job.arrays)][1][i] for i in param_slots]
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
+    if openings:
+        begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings])
+        for k, (j, opening) in enumerate(openings):
+            job = jobs[j]
+            try:
+                if begun is None:  # each client's own begin_round, on its received model
+                    _load_received(targets, opening.received)
+                    job.solver.begin_round(model, opening.train, job.state)
+                    start = [p.detach().clone() for p in params]
+                elif isinstance(begun[k], BaseException):
+                    raise begun[k]
+                else:
+                    start = begun[k]
+            except errors as err:
+                out[j] = err
+                continue
+            member = CohortMember(job.solver, job.data, job.generator, start)
+            groups.setdefault((opening.train.lr, opening.train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
     layer_inputs = own_batched(model, "batched_layer_inputs")
     for (lr, epochs), group in groups.items():
@@ -662,6 +701,14 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
     names, stacked = list(model_state), [w.detach().cpu().numpy() for w in weights]  # one copy off a GPU
     return [arrays_to_record((name, from_numpy(a[row])) for name, a in zip(names, stacked)) if build else None
             for build, row in zip(builds, rows)]
+
+
+def _load_received(targets: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+    """Copy a received model's tensors into the model's state ``targets``
+    (``model.state_dict()`` values) before a client's ``begin_round``."""
+    with torch.no_grad():
+        for target, value in zip(targets, received):
+            target.copy_(value)
 
 
 def _load_weights(params: list[torch.nn.Parameter], weights: list[torch.Tensor]) -> None:

@@ -40,14 +40,15 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import TypeVar
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
 from fedaccel.clients.base import LocalSolver
-from fedaccel.clients.state import ClientState, Layout, flat_size, tensor_layout, unflatten
+from fedaccel.clients.state import ClientState, Layout, split_plan, flat_size, tensor_layout, unflatten
 from fedaccel.config import ConfigError
 from fedaccel.contract import TrainConfig
-from fedaccel.arrays import tensors_to_record
+from fedaccel.arrays import arrays_to_record, from_numpy, tensors_to_record
 
 T = TypeVar("T")
 
@@ -111,6 +112,22 @@ def stored_layout(layout: Layout) -> Layout:
     return tuple((f"{group}.{k}", dtype, shape) for group in ("y", "x", "xhat") for k, dtype, shape in layout)
 
 
+def _stacked_rows(members: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The members' ``y_i`` and ``xhat_i`` stacked ``[C, D]``: rows of the
+    stacks :meth:`DouglasRachfordSolver.cohort_begin_round` made, when every
+    member's are (the same values, without stacking them again)."""
+    at = [getattr(m.solver, "_stacked_at", None) for m in members]
+    if at[0] is not None and all(a is not None and a[0] is at[0][0] for a in at):
+        y_all, xhat_all = at[0][0], at[0][1]
+        rows = [a[2] for a in at]
+        if rows == list(range(len(y_all))):
+            return y_all, xhat_all
+        index = torch.tensor(rows, device=y_all.device)
+        return y_all.index_select(0, index), xhat_all.index_select(0, index)
+    return (torch.stack([m.solver._y_flat for m in members]),
+            torch.stack([m.solver._xhat_flat for m in members]))
+
+
 class DouglasRachfordSolver(LocalSolver):
     """Inexact-prox DR client; params ``eta``, ``alpha``, ``prox_start``, ``init``.
 
@@ -142,6 +159,7 @@ class DouglasRachfordSolver(LocalSolver):
         else:
             y, x_local, xhat = saved[:size], saved[size:2 * size], saved[2 * size:]
         self._formed = None  # the upload the cohort trainer forms (cohort_after_steps)
+        self._stacked_at = None  # (y, xhat, row) of cohort_begin_round's stacks
         self._y_flat = relax(y, received, x_local, float(self.params.alpha))
         self.y = unflatten(self._y_flat, layout)
         self._xhat_flat = xhat
@@ -149,6 +167,67 @@ class DouglasRachfordSolver(LocalSolver):
         if self.params.prox_start == "local":
             model.load_state_dict(unflatten(x_local, layout))
         self._anchors = [self.y[name] for name, _ in model.named_parameters()]
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_round` of every opening at once: each client's saved
+        ``[y_i | x_i | xhat_i]`` read as before, the relax for all of them as
+        one elementwise operation on the stacked ``[C, D]`` vectors (the same
+        bits as client by client), no model loaded. Each client starts from
+        the received model (``prox-start='server'``) or its own ``x_i``
+        (``'local'``). Only for a model whose state is its parameters, of one
+        dtype (else None: :meth:`begin_round` client by client, which reports
+        a mixed-dtype model)."""
+        if type(self).begin_round is not DouglasRachfordSolver.begin_round:
+            return None
+        entries = model.state_dict()
+        layout = tensor_layout(entries)
+        if ([k for k, _, _ in layout] != [name for name, _ in model.named_parameters()]
+                or len({dtype for _, dtype, _ in layout}) > 1):
+            return None
+        device, size, stored = next(model.parameters()).device, flat_size(layout), stored_layout(layout)
+        received_flat: dict[int, torch.Tensor] = {}  # one flat x per received record
+        initial: dict[int, tuple] = {}  # (y, x, xhat) of a client without saved state, per x0
+        begun: list = [None] * len(openings)
+        rows, y_rows, x_rows, xhat_rows, server_rows = [], [], [], [], []
+        for k, o in enumerate(openings):
+            try:
+                saved = o.state.get_flat("dr", stored, device)
+                if saved is None:
+                    x0 = o.solver.initial_model
+                    if id(x0) not in initial:
+                        initial[id(x0)] = initial_state(x0, list(entries), device, self.params.init)
+                    y, x_local, xhat = initial[id(x0)]
+                else:
+                    y, x_local, xhat = saved[:size], saved[size:2 * size], saved[2 * size:]
+            except Exception as err:  # noqa: BLE001 - returned as that client's own error
+                begun[k] = err
+                continue
+            if id(o.received) not in received_flat:
+                received_flat[id(o.received)] = torch.cat([v.detach().reshape(-1) for v in o.received])
+            rows.append(k)
+            y_rows.append(y), x_rows.append(x_local), xhat_rows.append(xhat)
+            server_rows.append(received_flat[id(o.received)])
+        if not rows:
+            return begun
+        x_local_all = torch.stack(x_rows)
+        # one received model (the usual round) broadcasts: elementwise, the same bits
+        server = server_rows[0] if len(received_flat) == 1 else torch.stack(server_rows)
+        y_all = relax(torch.stack(y_rows), server, x_local_all, float(self.params.alpha))
+        xhat_all = torch.stack(xhat_rows)
+        names = list(entries)
+        for c, k in enumerate(rows):
+            solver = openings[k].solver
+            solver._layout, solver._formed = layout, None
+            solver._y_flat, solver._xhat_flat = y_all[c], xhat_all[c]
+            solver._stacked_at = (y_all, xhat_all, c)  # for cohort_after_steps
+            solver.y = unflatten(y_all[c], layout)
+            solver.inv_eta = 1.0 / float(solver.params.eta)
+            solver._anchors = [solver.y[name] for name in names]
+            if solver.params.prox_start == "local":
+                begun[k] = list(unflatten(x_local_all[c], layout).values())
+            else:
+                begun[k] = openings[k].received
+        return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"y": self._anchors}
@@ -162,17 +241,19 @@ class DouglasRachfordSolver(LocalSolver):
         """Algorithm 1, line 7's reflect and the client's ``g_i``, from the
         trained weights in ``model``, or as the cohort trainer formed them
         for the whole batch (:meth:`cohort_after_steps`)."""
-        formed, self._formed = getattr(self, "_formed", None), None
+        formed, self._formed, self._stacked_at = getattr(self, "_formed", None), None, None
         if formed is None:
             x_new = torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
             xhat_new = reflect(x_new, self._y_flat)
             g = xhat_new - self._xhat_flat
             saved = torch.cat([self._y_flat, x_new, xhat_new])
-        else:
-            saved, g = formed
+            state.put_flat("dr", saved, stored_layout(self._layout))
+            self._anchors = []
+            return tensors_to_record(unflatten(g.cpu(), self._layout))
+        saved, record = formed
         state.put_flat("dr", saved, stored_layout(self._layout))
         self._anchors = []
-        return tensors_to_record(unflatten(g.cpu(), self._layout))
+        return record
 
     def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
                            rows: list[int], layer_inputs=None) -> None:
@@ -188,12 +269,19 @@ class DouglasRachfordSolver(LocalSolver):
             return
         index = torch.tensor(rows, device=weights[0].device)
         x_new = torch.cat([w.detach().index_select(0, index).reshape(len(rows), -1) for w in weights], dim=1)
-        y = torch.stack([m.solver._y_flat for m in members])
+        y, xhat = _stacked_rows(members)
         xhat_new = reflect(x_new, y)
-        g = xhat_new - torch.stack([m.solver._xhat_flat for m in members])
+        g = xhat_new - xhat
         saved = torch.cat([y, x_new, xhat_new], dim=1)
+        # each reply's Arrays from one CPU copy of every g_i: what
+        # tensors_to_record(unflatten(g_i)) builds, byte for byte
+        keys, sizes, shapes = split_plan(self._layout)
+        bounds = np.cumsum([0, *sizes]).tolist()
+        g_all = g.detach().cpu().numpy()
         for c, m in enumerate(members):
-            m.solver._formed = (saved[c], g[c])
+            record = arrays_to_record((key, from_numpy(g_all[c, bounds[i]:bounds[i + 1]].reshape(shape)))
+                                      for i, (key, shape) in enumerate(zip(keys, shapes)))
+            m.solver._formed = (saved[c], record)
 
     def reads_trained_model(self) -> bool:
         """Not once :meth:`cohort_after_steps` formed the upload."""

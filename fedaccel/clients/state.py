@@ -92,12 +92,12 @@ def tensor_layout(tensors: Mapping[str, torch.Tensor]) -> Layout:
 
 def unflatten(flat: torch.Tensor, layout: Layout) -> OrderedDict[str, torch.Tensor]:
     """Views of ``flat`` as the tensors of ``layout`` (in its order)."""
-    keys, sizes, shapes = _split_plan(layout)
+    keys, sizes, shapes = split_plan(layout)
     return OrderedDict(zip(keys, (piece.view(shape) for piece, shape in zip(torch.split(flat, sizes), shapes))))
 
 
 @lru_cache(maxsize=256)
-def _split_plan(layout: Layout) -> tuple[list[str], list[int], list[tuple[int, ...]]]:
+def split_plan(layout: Layout) -> tuple[list[str], list[int], list[tuple[int, ...]]]:
     """Keys, sizes and shapes of a layout (made once per layout)."""
     return ([k for k, _, _ in layout], [math.prod(shape) for _, _, shape in layout],
             [shape for _, _, shape in layout])
@@ -105,7 +105,7 @@ def _split_plan(layout: Layout) -> tuple[list[str], list[int], list[tuple[int, .
 
 def flat_size(layout: Layout) -> int:
     """How many values the tensors of ``layout`` hold."""
-    return sum(_split_plan(layout)[1])
+    return sum(split_plan(layout)[1])
 
 
 def _one_dtype(layout: Layout) -> str:
