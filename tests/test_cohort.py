@@ -851,9 +851,14 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     for c, ((want, start), got, got_start) in enumerate(zip(expected, solvers, begun)):
         assert torch.equal(got._y_flat, want._y_flat) and torch.equal(got._xhat_flat, want._xhat_flat), c
         assert list(got.y) == list(want.y) and all(torch.equal(got.y[k], want.y[k]) for k in want.y)
-        assert all(torch.equal(a, b) for a, b in zip(got._anchors, want._anchors))
+        assert all(torch.equal(a, b) for a, b in zip(got.step_tensors()["y"], want.step_tensors()["y"]))
         assert got.inv_eta == want.inv_eta and got._layout == want._layout
         assert all(torch.equal(a, b) for a, b in zip(got_start, start)), c
+    # the trainer's stacked anchors, in any order of the members: each member's own, stacked
+    members = [CohortMember(solvers[c], datas[c], None, begun[c]) for c in (4, 0, 6, 3, 1, 5, 2)]
+    stacked = solvers[4].cohort_step_tensors(members)["y"]
+    for i, got in enumerate(stacked):
+        assert torch.equal(got, torch.stack([m.solver.step_tensors()["y"][i] for m in members]))
     # and the cases differ: a client with saved state, a rolled-back one and a new one
     assert not torch.equal(solvers[0]._xhat_flat, solvers[3]._xhat_flat)
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)

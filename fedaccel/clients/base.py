@@ -178,6 +178,14 @@ class LocalSolver:
         Set up by :meth:`begin_round`; none for FedAvg."""
         return {}
 
+    def cohort_step_tensors(self, members: list[Any]) -> dict[str, list[torch.Tensor]] | None:
+        """:meth:`step_tensors` of the cohort trainer's ``members`` (``self``
+        is the first one's solver), each stacked along a new first dim in the
+        members' order, when the solver already holds them stacked (made by
+        :meth:`cohort_begin_round`); None: the trainer stacks each member's
+        (the default, and always for a solver with :attr:`accumulators`)."""
+        return None
+
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The gradient the optimizer steps with, for one parameter: a pure,
         elementwise function of its weight ``w``, its task gradient ``g`` and

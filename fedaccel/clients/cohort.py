@@ -306,8 +306,10 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
                                                                            + sample_shape)
     names = [n for n, _ in model.named_parameters()]
     grads_of = batched_loss_and_grads(model)
-    own = [m.solver.step_tensors() for m in cohort]
-    stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
+    stacked = None if template.accumulators else template.cohort_step_tensors(cohort)
+    if stacked is None:
+        own = [m.solver.step_tensors() for m in cohort]
+        stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
     tensors = stacked  # the active clients' rows (views: accumulators write through)
     # every client's weights, stacked; the active clients' are the first rows,
     # trained in place through views (a client that leaves keeps its rows)
