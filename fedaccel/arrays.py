@@ -191,6 +191,20 @@ def _filled_record_dict(records: Mapping[str, ArrayRecord | MetricRecord | Confi
     return content
 
 
+def put_record(content: RecordDict, key: str, record: ArrayRecord | MetricRecord | ConfigRecord) -> None:
+    """``content[key] = record``. Set directly when the key is a ``str``, the
+    record one of Flower's three types and any record it replaces of the same
+    type (Flower's ``__setitem__`` makes those checks and looks the old value
+    up for its warning: 9 us, about 2 filled; a client's state writes four a
+    round), else through ``__setitem__`` (its ``TypeError``, its warning)."""
+    data = content.__dict__["_data"] if _FILL_CONTENT else None
+    if (data is not None and type(key) is str and isinstance(record, _RECORD_TYPES)
+            and type(data.get(key, record)) is type(record)):
+        data[key] = record
+    else:
+        content[key] = record
+
+
 def metric_record(values: Mapping[str, object]) -> MetricRecord:
     """``MetricRecord(values)``; filled directly when every key is a ``str``
     and every value a plain ``int`` or ``float``, else (lists, NumPy
@@ -245,8 +259,16 @@ def _content_filling_matches() -> bool:
         scalars = {"i": 3, "f": 0.5}
         records = {"arrays": ArrayRecord(), "metrics": MetricRecord(scalars), "config": ConfigRecord(scalars)}
         content, filled = RecordDict(dict(records)), _filled_record_dict(records)
-        return (type(content) is type(filled) and content.__dict__ == filled.__dict__
-                and list(content.items()) == list(filled.items()))
+        if not (type(content) is type(filled) and content.__dict__ == filled.__dict__
+                and list(content.items()) == list(filled.items())):
+            return False
+        # put_record's direct write: what __setitem__ leaves, a new key and a replaced one
+        set_by_flower, set_direct = RecordDict(dict(records)), _filled_record_dict(records)
+        for key, record in (("new", ConfigRecord({"s": "x"})), ("metrics", MetricRecord({"i": 4}))):
+            set_by_flower[key] = record
+            set_direct.__dict__["_data"][key] = record
+        return (set_by_flower.__dict__ == set_direct.__dict__
+                and list(set_by_flower.items()) == list(set_direct.items()))
     except Exception:  # noqa: BLE001 - any surprise: use the constructor
         return False
 

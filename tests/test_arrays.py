@@ -144,6 +144,40 @@ def test_filling_is_checked_against_flowers_constructors(monkeypatch):
     assert not arrays_module._content_filling_matches() and arrays_module._filling_matches()
 
 
+def test_put_record_leaves_what_flowers_setitem_leaves(monkeypatch, caplog):
+    """``put_record``: a new key and a replaced record of the same kind as
+    Flower's ``__setitem__`` leaves them (fields, order, the records
+    themselves); a record of another kind replacing one goes through Flower
+    (its warning), and what Flower refuses raises its own ``TypeError``. A
+    ``__setitem__`` that leaves another field turns the direct write off."""
+    def pair():
+        records = {"a": ConfigRecord({"s": "x"}), "b": MetricRecord({"n": 1})}
+        return RecordDict(dict(records)), RecordDict(dict(records))
+    ours, flowers = pair()
+    for key, record in (("c", ArrayRecord()), ("a", ConfigRecord({"s": "y"})), ("b", MetricRecord({"n": 2}))):
+        arrays_module.put_record(ours, key, record)
+        flowers[key] = record
+        assert ours.__dict__ == flowers.__dict__ and list(ours.items()) == list(flowers.items())
+        assert ours[key] is record
+    ours, flowers = pair()
+    with caplog.at_level("WARNING", logger="flwr"):
+        arrays_module.put_record(ours, "a", MetricRecord({"n": 3}))  # another kind: Flower's warning
+    assert "was overwritten" in caplog.text and isinstance(ours["a"], MetricRecord)
+    for key, bad in ((3, ConfigRecord({"s": "x"})), ("x", {"not": "a record"})):
+        with pytest.raises(TypeError) as ours_error:
+            arrays_module.put_record(ours, key, bad)
+        with pytest.raises(TypeError) as flowers_error:
+            flowers[key] = bad
+        assert str(ours_error.value) == str(flowers_error.value)
+    original = RecordDict.__setitem__
+
+    def setitem_with_extra_field(self, key, value):
+        original(self, key, value)
+        self.__dict__["_new_in_some_version"] = 1
+    monkeypatch.setattr(RecordDict, "__setitem__", setitem_with_extra_field)
+    assert not arrays_module._content_filling_matches()
+
+
 def test_to_numpy_is_a_read_only_view_of_the_payload():
     array = Array(np.arange(6, dtype=np.float32))
     view = to_numpy(array)

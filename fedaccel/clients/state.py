@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from fedaccel.arrays import arrays_to_record, config_record, from_tensor, records_of, to_numpy
+from fedaccel.arrays import arrays_to_record, config_record, from_tensor, put_record, records_of, to_numpy
 from fedaccel.config import ConfigError
 
 CLIENT_STATES = ("auto", "context", "disk")
@@ -310,9 +310,9 @@ class ContextState(VersionedState):
         for (_, dtype, _), v in zip(layout, tensors.values()):
             groups.setdefault(dtype, []).append(v.detach().reshape(-1))
         key = f"fedaccel.v{version}.{name}"
-        self.record[key] = arrays_to_record(
-            (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items())
-        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(layout)})
+        put_record(self.record, key, arrays_to_record(
+            (dtype, from_tensor(torch.cat(flat) if len(flat) > 1 else flat[0])) for dtype, flat in groups.items()))
+        put_record(self.record, f"{key}.layout", config_record({"layout": _layout_text(layout)}))
 
     def _read_flat(self, version: int, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """The stored flat Array itself (no split into tensors)."""
@@ -331,8 +331,8 @@ class ContextState(VersionedState):
         """What :meth:`_write` stores for these tensors: their one-dtype flat
         vector and the layout (no split, no concatenation)."""
         key = f"fedaccel.v{version}.{name}"
-        self.record[key] = arrays_to_record([(layout[0][1], from_tensor(flat))])
-        self.record[f"{key}.layout"] = config_record({"layout": _layout_text(layout)})
+        put_record(self.record, key, arrays_to_record([(layout[0][1], from_tensor(flat))]))
+        put_record(self.record, f"{key}.layout", config_record({"layout": _layout_text(layout)}))
 
     def _drop(self, version: int) -> None:
         prefix = f"fedaccel.v{version}."
@@ -351,7 +351,7 @@ class ContextState(VersionedState):
     def _save_tags(self, committed: int, latest: int) -> None:
         if self.TAGS in self.record and self._tags() == (committed, latest):
             return  # unchanged (a client that was already resolved)
-        self.record[self.TAGS] = config_record({"committed": committed, "latest": latest})
+        put_record(self.record, self.TAGS, config_record({"committed": committed, "latest": latest}))
 
 
 # A client's layout is the same in every round and for every client of a run:
