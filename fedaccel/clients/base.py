@@ -191,9 +191,11 @@ class LocalSolver:
         elementwise function of its weight ``w``, its task gradient ``g`` and
         this client's ``tensors`` for that parameter (:meth:`step_tensors`);
         scalars come from the run and round config, the same for every client
-        of a round. FedAvg: ``g``. The only side effect allowed is a running
+        of a round. FedAvg: ``g``. The only side effects allowed are a running
         sum into this client's tensors named in :attr:`accumulators`
-        (``acc.add_(...)``, elementwise too).
+        (``acc.add_(...)``, elementwise too) and ``g`` itself updated in
+        place and returned (``g.add_(...)``: the trainers replace ``g`` by
+        what the rule returns, so this saves a new tensor and a copy).
 
         Written once, it serves both trainers: the per-client loop applies it
         to each parameter (:meth:`transform_gradients`), and the cohort trainer
@@ -216,7 +218,9 @@ class LocalSolver:
         if not self.overrides("gradient_rule"):
             return
         for i, (w, g) in enumerate(zip(weights, grads)):
-            g.copy_(self.gradient_rule(w, g, {k: v[i] for k, v in tensors.items()}))
+            out = self.gradient_rule(w, g, {k: v[i] for k, v in tensors.items()})
+            if out is not g:
+                g.copy_(out)
 
     @classmethod
     def edits_gradients(cls) -> bool:

@@ -250,8 +250,9 @@ class DouglasRachfordSolver(LocalSolver):
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """``g + (z - y_i) / eta``: the gradient of the prox objective
-        ``f_i(z) + 1/(2 eta) ||z - y_i||^2`` (Algorithm 1, line 7, second update)."""
-        return g.add(w - tensors["y"], alpha=self.inv_eta)
+        ``f_i(z) + 1/(2 eta) ||z - y_i||^2`` (Algorithm 1, line 7, second update);
+        ``g`` updated in place (the value ``g.add(...)`` gives, without a copy)."""
+        return g.add_(w - tensors["y"], alpha=self.inv_eta)
 
     def upload(self, model: torch.nn.Module, state: ClientState) -> ArrayRecord:
         """Algorithm 1, line 7's reflect and the client's ``g_i``, from the
