@@ -313,7 +313,12 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
     replies: list[Message | None] = [None] * len(items)
     jobs, where = [], []
     shared = None
-    for i, (msg, context) in enumerate(items):
+    # the clients in partition order, whatever order the messages came in
+    # (Flower's sampling orders them at random): a batched kernel may round a
+    # client's rows by their place in the batch (FedPM's batched Cholesky
+    # solves do, with two threads), so the place must follow from the seed
+    for i in sorted(range(len(items)), key=lambda i: _partition_key(items[i][1], i)):
+        msg, context = items[i]
         try:
             rt = client_runtime(context)
         except REPLY_ERRORS as err:
@@ -336,6 +341,13 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
             replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)
                           else _train_reply(msg, result))
     return replies  # type: ignore[return-value]
+
+
+def _partition_key(context: Context, index: int) -> tuple[int, int, int]:
+    """Sort key of a client in a cohort: its partition id, then (for a
+    context without one) where its message came."""
+    pid = context.node_config.get("partition-id")
+    return (0, int(pid), index) if isinstance(pid, int) and not isinstance(pid, bool) else (1, 0, index)
 
 
 def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Context]]:
