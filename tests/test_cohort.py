@@ -912,6 +912,37 @@ def test_a_douglas_rachford_subclass_with_its_own_begin_round_begins_client_by_c
     assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)
 
 
+@pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
+def test_second_order_rounds_begun_together_are_each_clients_begin_round(algo) -> None:
+    """FedPM's and LocalNewton's ``cohort_begin_round`` sets on every solver
+    what its own ``begin_round`` sets (the preconditioned layers, their
+    parameters' positions, a fresh step count) and starts each client from
+    the weights it received, the model loaded for none of them."""
+    from fedaccel.clients.cohort import Opening
+
+    cfg = run_cfg(algo, **{"batch-size": 16})
+    model = make_model()
+    received = [[t.detach().clone() + c for t in model.state_dict().values()] for c in range(3)]
+    scratch = copy.deepcopy(model)
+    solvers = [new_solver(cfg, model) for _ in received]
+    openings = [Opening(s, ContextState(RecordDict()), s.open_round(scratch, config_for(algo, 1),
+                                                                     ContextState(RecordDict()), begin=False), r)
+                for s, r in zip(solvers, received)]
+    for s in solvers:  # left from an earlier round: begin must reset them
+        s.step, s._end_matrices = 7, {"stale": torch.zeros(1)}
+    before = [p.detach().clone() for p in scratch.parameters()]
+    begun = solvers[0].cohort_begin_round(scratch, openings)
+    assert all(torch.equal(p, q) for p, q in zip(scratch.parameters(), before))  # no model loaded
+    want = new_solver(cfg, model)
+    want.open_round(copy.deepcopy(model), config_for(algo, 1), ContextState(RecordDict()))
+    names = [n for n, _ in scratch.named_parameters()]
+    for s, start, r in zip(solvers, begun, received):
+        assert list(s.layers) == list(want.layers) and s._layer_params == want._layer_params
+        assert s.step == 0 and s._end_matrices is None and s._newton_preconditioner is None
+        assert all(torch.equal(a, b) for a, b in zip(start, [r[list(scratch.state_dict()).index(n)] for n in names]))
+        assert all(s.layers[k] is dict(scratch.named_modules())[k] for k in s.layers)
+
+
 def test_a_batched_fedpm_run_does_not_depend_on_the_order_its_messages_come_in(tmp_path, monkeypatch) -> None:
     """Flower's sampling orders a round's messages at random, and a batched
     kernel may round a client's rows by their place in the batch (FedPM's

@@ -366,6 +366,28 @@ class FedPMSolver(LocalSolver):
         self._newton_preconditioner: torch.Tensor | None = None
         self._end_matrices: OrderedDict[str, torch.Tensor] | None = None
 
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_round` of every opening at once: it reads the model's
+        structure only (its preconditioned layers and their parameters'
+        positions), the same for every client, so that is read once and no
+        client's model is loaded; each client starts from the weights it
+        received."""
+        if type(self).begin_round is not FedPMSolver.begin_round:
+            return None
+        if not openings:
+            return []
+        self.begin_round(model, openings[0].train, openings[0].state)  # self: the first opening's solver
+        layers, layer_params = self.layers, self._layer_params
+        state_keys = list(model.state_dict())
+        slots = [state_keys.index(name) for name, _ in model.named_parameters()]
+        begun = []
+        for o in openings:
+            solver = o.solver
+            solver.layers, solver._layer_params = layers, layer_params  # read only, shared
+            solver.step, solver._newton_preconditioner, solver._end_matrices = 0, None, None
+            begun.append([o.received[i] for i in slots])
+        return begun
+
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         # Weight decay is added to p.grad *before* preconditioning (transform_gradients).
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=self.cfg.momentum, weight_decay=0.0)
