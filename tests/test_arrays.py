@@ -171,10 +171,13 @@ def test_put_record_leaves_what_flowers_setitem_leaves(monkeypatch, caplog):
         assert str(ours_error.value) == str(flowers_error.value)
     original = RecordDict.__setitem__
 
-    def setitem_with_extra_field(self, key, value):
+    def setitem_marking_replacements(self, key, value):  # the constructor's own items are new keys
+        replaces = key in self
         original(self, key, value)
-        self.__dict__["_new_in_some_version"] = 1
-    monkeypatch.setattr(RecordDict, "__setitem__", setitem_with_extra_field)
+        if replaces:
+            self.__dict__["_replaced"] = key
+    assert arrays_module._content_filling_matches()
+    monkeypatch.setattr(RecordDict, "__setitem__", setitem_marking_replacements)
     assert not arrays_module._content_filling_matches()
 
 

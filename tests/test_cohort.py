@@ -207,24 +207,48 @@ def test_a_batched_round_on_a_gpu_equals_the_per_client_round(algo: str, changes
                 p.add_(mean) if algo in STATE_GROUP else p.copy_(mean)
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "fedprox"])  # without and with its own begin_round
-def test_clients_that_received_different_models_each_start_from_their_own(algo: str) -> None:
+class _OwnBegin:
+    """Mixed into a solver class: a ``begin_round`` of its own (the cohort
+    trainer then begins each client on its own received model)."""
+
+    def begin_round(self, model, config, state):
+        super().begin_round(model, config, state)
+
+
+@pytest.mark.parametrize("algo, changes, own_begin", [
+    ("fedavg", {}, False), ("fedprox", {}, False),  # without and with its own begin_round
+    # Douglas-Rachford: begun together (relaxed against each client's own x), and client by client
+    ("feddr", {"feddr.prox-start": "local", "feddr.alpha": 0.7}, False),
+    ("feddr", {"feddr.prox-start": "local", "feddr.alpha": 0.7}, True),
+    ("fedcdr", {}, False)], ids=["fedavg", "fedprox", "feddr-local", "feddr-local-own-begin", "fedcdr"])
+def test_clients_that_received_different_models_each_start_from_their_own(algo: str, changes: dict,
+                                                                          own_begin: bool) -> None:
     """Messages of one round need not share the model record (a server that
     sends some clients another model): interleaved records A, B, A, B, each
     client's batched round equals its per-client round from the model it
-    received, whether or not its solver reads the model before its steps."""
-    cfg = run_cfg(algo, **{"batch-size": 16})
+    received, whether or not its solver reads the model before its steps,
+    and whether it begins with the others or on its own. Every client has
+    the run's x0 (a Douglas-Rachford client's initial state)."""
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
     models = [make_model(0), make_model(1)]
     datas = clients()
     records = [state_to_arrays(m) for m in models]
+    solver_class = get_algorithm(algo).solver
+    if own_begin:
+        solver_class = type("OwnBegin", (_OwnBegin, solver_class), {})
+
+    def solver_for():
+        solver = solver_class(cfg)
+        solver.initial_model = copy.deepcopy(models[0].state_dict())  # the run's x0, the same for all
+        return solver
     jobs, expected = [], []
     for c, data in enumerate(datas):
         model = models[c % 2]
-        jobs.append(CohortJob(solver=new_solver(cfg, model), data=data, arrays=records[c % 2],
+        jobs.append(CohortJob(solver=solver_for(), data=data, arrays=records[c % 2],
                               config=config_for(algo, 1), state=ContextState(RecordDict()),
                               generator=seeded_generator(cfg.seed, 1, c, "train"),
                               received=received_for(algo, model)))
-        result = new_solver(cfg, model).fit(copy.deepcopy(model), data, config_for(algo, 1),
+        result = solver_for().fit(copy.deepcopy(model), data, config_for(algo, 1),
                                             ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train"),
                                             received_for(algo, model))
         expected.append([torch.from_numpy(a.numpy()) for a in result.arrays.values()])

@@ -165,7 +165,8 @@ class DouglasRachfordSolver(LocalSolver):
         self.inv_eta = 1.0 / float(self.params.eta)
         if self.params.prox_start == "local":
             model.load_state_dict(unflatten(x_local, layout))
-        self._anchors = [self.y[name] for name, _ in model.named_parameters()]
+        y = self.y  # views made once
+        self._anchors = [y[name] for name, _ in model.named_parameters()]
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
         """:meth:`begin_round` of every opening at once: each client's saved
@@ -181,7 +182,9 @@ class DouglasRachfordSolver(LocalSolver):
         entries = model.state_dict()
         layout = tensor_layout(entries)
         if ([k for k, _, _ in layout] != [name for name, _ in model.named_parameters()]
-                or len({dtype for _, dtype, _ in layout}) > 1):
+                or len({dtype for _, dtype, _ in layout}) > 1
+                or any((o.solver.params.alpha, o.solver.params.init) != (self.params.alpha, self.params.init)
+                       for o in openings)):
             return None
         device, size, stored = next(model.parameters()).device, flat_size(layout), stored_layout(layout)
         received_flat: dict[int, torch.Tensor] = {}  # one flat x per received record
