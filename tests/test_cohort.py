@@ -705,11 +705,12 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
     assert "clients train one after another (cohort-batching='off')" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("algo", ["fedprox", "fedpm"])
+@pytest.mark.parametrize("algo", ["fedprox", "fedpm", "fedcdr"])
 def test_chunks_train_the_same_clients_to_the_same_weights(algo) -> None:
     """A cohort split into chunks of 2 ends where the whole cohort does:
     each client's gradient is its own, whoever shares its batch (FedPM: each
-    chunk's clients make their FOOF pass when their chunk trains)."""
+    chunk's clients make their FOOF pass when their chunk trains; FedCDR:
+    each chunk's clients begin together, their state stacked per chunk)."""
     cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
     model, datas = make_model(), clients()
     start = state_to_arrays(model)
@@ -719,7 +720,14 @@ def test_chunks_train_the_same_clients_to_the_same_weights(algo) -> None:
                           config=config_for(algo, 1), state=ContextState(RecordDict()),
                           generator=seeded_generator(cfg.seed, 1, c, "train"))
                 for c, data in enumerate(datas)]
+        begun = []
+        real = type(jobs[0].solver).cohort_begin_round
+        for job in jobs:  # each call's chunk size, seen from the first solver's class
+            job.solver.cohort_begin_round = lambda model, openings: begun.append(len(openings)) or real(
+                jobs[0].solver, model, openings)
         results = fit_cohort(copy.deepcopy(model), jobs, 16, max_clients=max_clients)
+        if jobs[0].solver.overrides("cohort_begin_round"):
+            assert begun == ([len(jobs)] if max_clients is None else [2, 2, 2, 1])
         if algo == "fedpm":  # a finished client keeps no FOOF matrices in memory
             assert all(not job.solver.factors and not job.solver.used for job in jobs)
         return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()] for r in results]

@@ -629,8 +629,15 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             start = [loaded[id(job.arrays)][1][i] for i in param_slots]
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
+    chunk = max_clients or len(jobs) or 1
+    begun: list | None = []
+    for at in range(0, len(openings), chunk):  # a chunk at a time: its stacked state is what fits
+        part_begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings[at:at + chunk]])
+        if part_begun is None:
+            begun = None
+            break
+        begun.extend(part_begun)
     if openings:
-        begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings])
         for k, (j, opening) in enumerate(openings):
             job = jobs[j]
             try:
@@ -647,7 +654,6 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 continue
             member = CohortMember(job.solver, job.data, job.generator, start)
             groups.setdefault((opening.train.lr, opening.train.local_epochs), []).append((j, member))
-    chunk = max_clients or len(jobs) or 1
     layer_inputs = own_batched(model, "batched_layer_inputs")
     for (lr, epochs), group in groups.items():
         # chunk by chunk, each client's work from before_steps to close_round,
