@@ -815,27 +815,34 @@ def test_a_douglas_rachford_upload_formed_from_the_stacked_weights_is_the_loaded
         assert all(a.record[k] == b.record[k] for k in a.record.keys())
 
 
-def test_a_douglas_rachford_subclass_with_its_own_upload_is_loaded_and_called() -> None:
+@pytest.mark.parametrize("hook", ["upload", "begin_round"])
+def test_a_douglas_rachford_subclass_with_its_own_hook_has_it_called_client_by_client(hook) -> None:
+    """A subclass's own ``upload`` is called with each client's trained model
+    loaded (no upload formed for the batch); its own ``begin_round`` on each
+    client's received model (no batched begin)."""
     from fedaccel.clients.douglas_rachford import DouglasRachfordSolver
 
     calls = []
 
-    class Logged(DouglasRachfordSolver):
-        def upload(self, model, state):
-            calls.append(1)
-            return super().upload(model, state)
+    def logged(self, *args):
+        calls.append(1)
+        return getattr(DouglasRachfordSolver, hook)(self, *args)
 
+    logged_class = type("Logged", (DouglasRachfordSolver,), {hook: logged})
     cfg = run_cfg("fedcdr", **{"batch-size": 16})
     model, datas = make_model(), clients()[:3]
-    jobs = [CohortJob(solver=Logged(cfg), data=data, arrays=state_to_arrays(model), config=config_for("fedcdr", 1),
-                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
+    jobs = [CohortJob(solver=logged_class(cfg), data=data, arrays=state_to_arrays(model),
+                      config=config_for("fedcdr", 1), state=ContextState(RecordDict()),
+                      generator=seeded_generator(cfg.seed, 1, c, "train"))
             for c, data in enumerate(datas)]
     for job in jobs:
         job.solver.initial_model = copy.deepcopy(model.state_dict())
+    if hook == "begin_round":
+        assert jobs[0].solver.cohort_begin_round(model, []) is None
     results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
     assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)
-    assert all(job.solver.reads_trained_model() for job in jobs)
-
+    if hook == "upload":
+        assert all(job.solver.reads_trained_model() for job in jobs)
 
 def _dr_round_one(cfg, model, datas, states) -> None:
     """Round 1 of the clients with ``states`` (a batched round: its state is what round 2 reads)."""
@@ -921,27 +928,6 @@ def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batch
     assert isinstance(results[2], ConfigError) and "damaged" in str(results[2])
     assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
 
-
-def test_a_douglas_rachford_subclass_with_its_own_begin_round_begins_client_by_client() -> None:
-    from fedaccel.clients.douglas_rachford import DouglasRachfordSolver
-
-    calls = []
-
-    class Logged(DouglasRachfordSolver):
-        def begin_round(self, model, config, state):
-            calls.append(1)
-            super().begin_round(model, config, state)
-
-    cfg = run_cfg("fedcdr", **{"batch-size": 16})
-    model, datas = make_model(), clients()[:3]
-    jobs = [CohortJob(solver=Logged(cfg), data=data, arrays=state_to_arrays(model), config=config_for("fedcdr", 1),
-                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
-            for c, data in enumerate(datas)]
-    for job in jobs:
-        job.solver.initial_model = copy.deepcopy(model.state_dict())
-    assert jobs[0].solver.cohort_begin_round(model, []) is None
-    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
-    assert calls == [1, 1, 1] and all(not isinstance(r, BaseException) for r in results)
 
 
 @pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
