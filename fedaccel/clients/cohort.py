@@ -616,7 +616,10 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 loaded[id(job.arrays)] = (job.arrays, [t.detach().clone() for t in targets])
             elif reads_model and not begin_together:
                 _load_received(targets, loaded[id(job.arrays)][1])
-            train = job.solver.open_round(model, job.config, job.state, job.received, begin=not begin_together)
+            if begin_together:  # settled here, begun below with the others
+                train = job.solver.open_round(model, job.config, job.state, job.received, begin=False)
+            else:  # as in fit (an open_round of the solver's own need not know begin=)
+                train = job.solver.open_round(model, job.config, job.state, job.received)
         except errors as err:
             out[j] = err
             continue
