@@ -33,8 +33,9 @@ from typing import Mapping, TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import ArrayRecord
 
+from fedaccel.arrays import numpy_to_record, to_numpy
 from fedaccel.clients.base import LocalSolver
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
 from fedaccel.contract import MessageContract, TrainConfig
@@ -58,13 +59,13 @@ def option_ii_control_variate(c_i: T, c: T, x: T, y: T, steps: int, lr: float) -
 
 def control_variate_record(c: Mapping[str, np.ndarray]) -> ArrayRecord:
     """The server control variate as the ArrayRecord sent beside the model."""
-    return ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v))) for k, v in c.items()))
+    return numpy_to_record(OrderedDict((k, np.ascontiguousarray(v)) for k, v in c.items()))
 
 
 def received_control_variate(received: Mapping[str, ArrayRecord], model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
     """``c`` for every parameter of ``model``, from the received ``scaffold.c`` record."""
     record = received[C_RECORD]
-    return OrderedDict((k, torch.from_numpy(record[k].numpy()).to(device=p.device, dtype=p.dtype))
+    return OrderedDict((k, torch.from_numpy(to_numpy(record[k]).copy()).to(device=p.device, dtype=p.dtype))
                        for k, p in model.named_parameters())
 
 
@@ -109,7 +110,7 @@ class ScaffoldSolver(LocalSolver):
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         new = self.new_control_variate(model)
-        dc = ArrayRecord(OrderedDict((k, Array((new[k] - self.c_i[k]).cpu().numpy())) for k in new))
+        dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
         state.put("scaffold", flat_groups({"c": new}))
         self.correction, self.grad_sum = [], OrderedDict()
         return {DC_RECORD: dc}

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.clients.scaffold import C_RECORD, CV_UPDATES, DC_RECORD, ScaffoldSolver, control_variate_record
-from fedaccel.arrays import record_to_numpy
+from fedaccel.arrays import record_to_numpy, to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
@@ -84,7 +84,7 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
         dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
         for reply in replies:
             for k, a in reply.content[DC_RECORD].items():
-                dc_sum[k] += a.numpy()
+                dc_sum[k] += to_numpy(a)  # a read-only view: the same values as a.numpy()
         n = self.federation.num_clients
         self.c = {k: control_step(v.astype(np.float64), dc_sum[k], n).astype(v.dtype)
                   for k, v in self.c.items()}
