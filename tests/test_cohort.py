@@ -985,3 +985,47 @@ def test_a_batched_fedpm_run_does_not_depend_on_the_order_its_messages_come_in(t
     monkeypatch.setattr(LocalGrid, "_deliver_cohort", lambda self, ids: real(self, list(reversed(ids))))
     reversed_model, _ = run("reversed")
     assert all(np.array_equal(model[k], reversed_model[k]) for k in model)
+
+
+@pytest.mark.parametrize("variant", ["full", "km", "re"])
+def test_fedrkmgc_corrections_formed_for_the_batch_are_each_clients_end_round_byte_for_byte(variant,
+                                                                                              monkeypatch) -> None:
+    """FedRKMGC's batched begin (the received weights as anchor, no model
+    loaded) and its corrections formed from the stacked trained weights
+    (``cohort_after_steps``) store, round after round, the state records its
+    per-client ``begin_round`` and ``end_round`` store, byte for byte, and
+    reply the same weights; no client is loaded into the model."""
+    from fedaccel.clients.fedrkmgc import FedRKMGCSolver
+
+    cfg = run_cfg("fedrkmgc", **{"batch-size": 16, "momentum": 0.9, "fedrkmgc.variant": variant})
+    model, datas = make_model(), clients()
+
+    def rounds(states, batched):
+        loads = []
+        real = cohort_module._load_weights
+        monkeypatch.setattr(cohort_module, "_load_weights", lambda *a: loads.append(1) or real(*a))
+        if not batched:
+            monkeypatch.setattr(FedRKMGCSolver, "cohort_after_steps", lambda self, *a, **k: None)
+            monkeypatch.setattr(FedRKMGCSolver, "cohort_begin_round", lambda self, *a, **k: None)
+        replies = []
+        for r in (1, 2, 3):
+            jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                              config=config_for("fedrkmgc", r), state=states[c],
+                              generator=seeded_generator(cfg.seed, r, c, "train"))
+                    for c, data in enumerate(datas) if r > 1 or c < 5]  # clients 5, 6 start in round 2
+            replies.append([res.arrays for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
+        monkeypatch.undo()
+        return replies, len(loads)
+
+    formed_states = [ContextState(RecordDict()) for _ in datas]
+    loaded_states = [ContextState(RecordDict()) for _ in datas]
+    formed, loads_formed = rounds(formed_states, True)
+    loaded, loads_loaded = rounds(loaded_states, False)
+    assert loads_formed == 0 and loads_loaded == 5 + 2 * len(datas)
+    for round_formed, round_loaded in zip(formed, loaded):
+        for x, y in zip(round_formed, round_loaded):
+            assert list(x.keys()) == list(y.keys()) and all(x[k].__dict__ == y[k].__dict__ for k in x.keys())
+    for a, b in zip(formed_states, loaded_states):
+        assert list(a.record.keys()) == list(b.record.keys())
+        assert all(a.record[k] == b.record[k] for k in a.record.keys())
+    assert any(k.startswith("fedaccel.v3.fedrkmgc") for k in formed_states[6].record.keys())

@@ -133,6 +133,33 @@ class FedRKMGCSolver(LocalSolver):
         self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
         saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), self.anchor)
         self.delta, self.raw_prev = saved["delta"], saved["raw_prev"]
+        self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_round` of every opening at once: the anchor is the
+        received weights themselves (read only; ``begin_round`` copies them
+        out of the loaded model), each client's saved corrections are read
+        from its own state as before, and no model is loaded."""
+        if type(self).begin_round is not FedRKMGCSolver.begin_round:
+            return None
+        names = [name for name, _ in model.named_parameters()]
+        state_keys = list(model.state_dict())
+        slots = [state_keys.index(name) for name in names]
+        begun: list = []
+        for o in openings:
+            solver = o.solver
+            try:
+                solver.t = paper_round_index(o.train.server_round)
+                _, solver.correction = variant_components(solver.params.variant)
+                anchor = OrderedDict((name, o.received[i]) for name, i in zip(names, slots))
+                saved = groups_or_zeros(o.state, "fedrkmgc", ("delta", "raw_prev"), anchor)
+            except Exception as err:  # noqa: BLE001 - returned as that client's own error
+                begun.append(err)
+                continue
+            solver.anchor, solver.delta, solver.raw_prev = anchor, saved["delta"], saved["raw_prev"]
+            solver._formed = None
+            begun.append(list(anchor.values()))
+        return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"delta": list(self.delta.values())}
@@ -142,10 +169,45 @@ class FedRKMGCSolver(LocalSolver):
         return g - tensors["delta"]
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
-        beta, gamma = float(self.params.beta), float(self.params.gamma)
-        delta, raw_prev = OrderedDict(), OrderedDict()
-        for k, p in model.named_parameters():
-            raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
-            delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k], self.t, gamma)
+        formed, self._formed = getattr(self, "_formed", None), None
+        if formed is not None:  # the cohort trainer's, for the whole batch (cohort_after_steps)
+            delta, raw_prev = formed
+        else:
+            beta, gamma = float(self.params.beta), float(self.params.gamma)
+            delta, raw_prev = OrderedDict(), OrderedDict()
+            for k, p in model.named_parameters():
+                raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
+                delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k],
+                                             self.t, gamma)
         state.put("fedrkmgc", flat_groups({"delta": delta, "raw_prev": raw_prev}))
         return {}
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs=None) -> None:
+        """:meth:`end_round`'s corrections (Alg. 1 lines 10-11) for every member
+        at once, from the stacked trained weights: elementwise, so the same
+        values as one client at a time; ``end_round`` then only stores them."""
+        if type(self).end_round is not FedRKMGCSolver.end_round:
+            return
+        solvers = [m.solver for m in members]
+        if any((s.t, s.correction, s.params) != (self.t, self.correction, self.params) for s in solvers):
+            return
+        beta, gamma = float(self.params.beta), float(self.params.gamma)
+        index = torch.tensor(rows, device=weights[0].device)
+        deltas: list[OrderedDict] = [OrderedDict() for _ in solvers]
+        raws: list[OrderedDict] = [OrderedDict() for _ in solvers]
+        for (name, _), w in zip(model.named_parameters(), weights):
+            anchors = [s.anchor[name] for s in solvers]
+            anchor = anchors[0] if all(a is anchors[0] for a in anchors) else torch.stack(anchors)
+            delta = torch.stack([s.delta[name] for s in solvers])
+            raw = raw_correction(delta, w.detach().index_select(0, index), anchor, beta)
+            new = correction_update(self.correction, delta, raw, torch.stack([s.raw_prev[name] for s in solvers]),
+                                    self.t, gamma)
+            for c in range(len(solvers)):
+                deltas[c][name], raws[c][name] = new[c], raw[c]
+        for s, delta, raw in zip(solvers, deltas, raws):
+            s._formed = (delta, raw)
+
+    def reads_trained_model(self) -> bool:
+        """Not once :meth:`cohort_after_steps` formed the corrections."""
+        return getattr(self, "_formed", None) is None
