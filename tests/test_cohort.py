@@ -881,8 +881,8 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     scratch = copy.deepcopy(model)
     received = [t.detach().clone() for t in model.state_dict().values()]
     solvers = [new_solver(cfg, model) for _ in datas]
-    openings = [Opening(solver, state, solver.open_round(scratch, config, state, begin=False), received)
-                for solver, config, state in zip(solvers, configs, states)]
+    openings = [Opening(solver, state, solver.open_round(scratch, config, state, begin=False), received, received)
+                for solver, config, state in zip(solvers, configs, states)]  # the MLP's state: its parameters
     begun = solvers[0].cohort_begin_round(scratch, openings)
     assert begun is not None
     outcomes = [s.versions() for s in states]
@@ -943,8 +943,10 @@ def test_second_order_rounds_begun_together_are_each_clients_begin_round(algo) -
     received = [[t.detach().clone() + c for t in model.state_dict().values()] for c in range(3)]
     scratch = copy.deepcopy(model)
     solvers = [new_solver(cfg, model) for _ in received]
+    slots = [list(scratch.state_dict()).index(n) for n, _ in scratch.named_parameters()]
     openings = [Opening(s, ContextState(RecordDict()), s.open_round(scratch, config_for(algo, 1),
-                                                                     ContextState(RecordDict()), begin=False), r)
+                                                                     ContextState(RecordDict()), begin=False),
+                        r, [r[i] for i in slots])
                 for s, r in zip(solvers, received)]
     for s in solvers:  # left from an earlier round: begin must reset them
         s.step, s._end_matrices = 7, {"stale": torch.zeros(1)}

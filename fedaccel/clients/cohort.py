@@ -564,12 +564,14 @@ class Opening:
     :meth:`~fedaccel.clients.base.LocalSolver.begin_round`, for a solver's
     :meth:`~fedaccel.clients.base.LocalSolver.cohort_begin_round`: its solver,
     state, round config and the received model's tensors (``model.state_dict()``
-    order; read only, shared by the clients that received the same record)."""
+    order; read only, shared by the clients that received the same record)
+    and the same tensors of its parameters (``model.parameters()`` order)."""
 
     solver: LocalSolver
     state: ClientState
     train: Any
     received: list[torch.Tensor]
+    received_params: list[torch.Tensor]
 
 
 def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
@@ -624,7 +626,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             out[j] = err
             continue
         if begin_together:
-            openings.append((j, Opening(job.solver, job.state, train, loaded[id(job.arrays)][1])))
+            received = loaded[id(job.arrays)][1]
+            openings.append((j, Opening(job.solver, job.state, train, received, [received[i] for i in param_slots])))
             continue
         if reads_model:
             start = [p.detach().clone() for p in params]
@@ -640,23 +643,22 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             begun = None
             break
         begun.extend(part_begun)
-    if openings:
-        for k, (j, opening) in enumerate(openings):
-            job = jobs[j]
-            try:
-                if begun is None:  # each client's own begin_round, on its received model
-                    _load_received(targets, opening.received)
-                    job.solver.begin_round(model, opening.train, job.state)
-                    start = [p.detach().clone() for p in params]
-                elif isinstance(begun[k], BaseException):
-                    raise begun[k]
-                else:
-                    start = begun[k]
-            except errors as err:
-                out[j] = err
-                continue
-            member = CohortMember(job.solver, job.data, job.generator, start)
-            groups.setdefault((opening.train.lr, opening.train.local_epochs), []).append((j, member))
+    for k, (j, opening) in enumerate(openings):
+        job = jobs[j]
+        try:
+            if begun is None:  # each client's own begin_round, on its received model
+                _load_received(targets, opening.received)
+                job.solver.begin_round(model, opening.train, job.state)
+                start = [p.detach().clone() for p in params]
+            elif isinstance(begun[k], BaseException):
+                raise begun[k]
+            else:
+                start = begun[k]
+        except errors as err:
+            out[j] = err
+            continue
+        member = CohortMember(job.solver, job.data, job.generator, start)
+        groups.setdefault((opening.train.lr, opening.train.local_epochs), []).append((j, member))
     layer_inputs = own_batched(model, "batched_layer_inputs")
     for (lr, epochs), group in groups.items():
         # chunk by chunk, each client's work from before_steps to close_round,

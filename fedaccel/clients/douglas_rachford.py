@@ -112,20 +112,17 @@ def stored_layout(layout: Layout) -> Layout:
     return tuple((f"{group}.{k}", dtype, shape) for group in ("y", "x", "xhat") for k, dtype, shape in layout)
 
 
-def _stacked_rows(members: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The members' ``y_i`` and ``xhat_i`` stacked ``[C, D]``: rows of the
-    stacks :meth:`DouglasRachfordSolver.cohort_begin_round` made, when every
-    member's are (the same values, without stacking them again)."""
+def _stacked_rows(members: list, which: int) -> torch.Tensor:
+    """The members' ``y_i`` (``which=0``) or ``xhat_i`` (1) stacked ``[C, D]``:
+    rows of the stacks :meth:`DouglasRachfordSolver.cohort_begin_round` made,
+    when every member's are (the same values, without stacking them again)."""
     at = [getattr(m.solver, "_stacked_at", None) for m in members]
-    if at[0] is not None and all(a is not None and a[0] is at[0][0] for a in at):
-        y_all, xhat_all = at[0][0], at[0][1]
-        rows = [a[2] for a in at]
-        if rows == list(range(len(y_all))):
-            return y_all, xhat_all
-        index = torch.tensor(rows, device=y_all.device)
-        return y_all.index_select(0, index), xhat_all.index_select(0, index)
-    return (torch.stack([m.solver._y_flat for m in members]),
-            torch.stack([m.solver._xhat_flat for m in members]))
+    if at[0] is not None and all(a is not None and a[which] is at[0][which] for a in at):
+        stack, rows = at[0][which], [a[2] for a in at]
+        if rows == list(range(len(stack))):
+            return stack
+        return stack.index_select(0, torch.tensor(rows, device=stack.device))
+    return torch.stack([m.solver._xhat_flat if which else m.solver._y_flat for m in members])
 
 
 class DouglasRachfordSolver(LocalSolver):
@@ -245,7 +242,7 @@ class DouglasRachfordSolver(LocalSolver):
         stack (one gather for the cohort's order), viewed per parameter."""
         if any(getattr(m.solver, "_stacked_at", None) is None for m in members):
             return None
-        y, _ = _stacked_rows(members)
+        y = _stacked_rows(members, 0)
         _, sizes, shapes = split_plan(self._layout)
         # each parameter's block made contiguous (a step reads it 50 times; column views were 10 % slower)
         return {"y": [piece.reshape(len(members), *shape).contiguous()
@@ -266,10 +263,7 @@ class DouglasRachfordSolver(LocalSolver):
             x_new = torch.cat([v.detach().reshape(-1) for v in model.state_dict().values()])
             xhat_new = reflect(x_new, self._y_flat)
             g = xhat_new - self._xhat_flat
-            saved = torch.cat([self._y_flat, x_new, xhat_new])
-            state.put_flat("dr", saved, stored_layout(self._layout))
-            self._anchors = []
-            return tensors_to_record(unflatten(g.cpu(), self._layout))
+            formed = (torch.cat([self._y_flat, x_new, xhat_new]), tensors_to_record(unflatten(g.cpu(), self._layout)))
         saved, record = formed
         state.put_flat("dr", saved, stored_layout(self._layout))
         self._anchors = []
@@ -289,9 +283,9 @@ class DouglasRachfordSolver(LocalSolver):
             return
         index = torch.tensor(rows, device=weights[0].device)
         x_new = torch.cat([w.detach().index_select(0, index).reshape(len(rows), -1) for w in weights], dim=1)
-        y, xhat = _stacked_rows(members)
+        y = _stacked_rows(members, 0)
         xhat_new = reflect(x_new, y)
-        g = xhat_new - xhat
+        g = xhat_new - _stacked_rows(members, 1)
         saved = torch.cat([y, x_new, xhat_new], dim=1)
         # each reply's Arrays from one CPU copy of every g_i: what
         # tensors_to_record(unflatten(g_i)) builds, byte for byte

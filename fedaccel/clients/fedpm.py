@@ -378,15 +378,11 @@ class FedPMSolver(LocalSolver):
             return []
         self.begin_round(model, openings[0].train, openings[0].state)  # self: the first opening's solver
         layers, layer_params = self.layers, self._layer_params
-        state_keys = list(model.state_dict())
-        slots = [state_keys.index(name) for name, _ in model.named_parameters()]
-        begun = []
         for o in openings:
             solver = o.solver
             solver.layers, solver._layer_params = layers, layer_params  # read only, shared
             solver.step, solver._newton_preconditioner, solver._end_matrices = 0, None, None
-            begun.append([o.received[i] for i in slots])
-        return begun
+        return [o.received_params for o in openings]
 
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         # Weight decay is added to p.grad *before* preconditioning (transform_gradients).

@@ -143,15 +143,13 @@ class FedRKMGCSolver(LocalSolver):
         if type(self).begin_round is not FedRKMGCSolver.begin_round:
             return None
         names = [name for name, _ in model.named_parameters()]
-        state_keys = list(model.state_dict())
-        slots = [state_keys.index(name) for name in names]
         begun: list = []
         for o in openings:
             solver = o.solver
             try:
                 solver.t = paper_round_index(o.train.server_round)
                 _, solver.correction = variant_components(solver.params.variant)
-                anchor = OrderedDict((name, o.received[i]) for name, i in zip(names, slots))
+                anchor = OrderedDict(zip(names, o.received_params))
                 saved = groups_or_zeros(o.state, "fedrkmgc", ("delta", "raw_prev"), anchor)
             except Exception as err:  # noqa: BLE001 - returned as that client's own error
                 begun.append(err)
