@@ -771,7 +771,7 @@ def test_auto_does_not_batch_a_cnn_on_a_cpu_but_on_does(tmp_path, capsys) -> Non
 
     assert slower_reason(make_model()) is None  # the MLPs batch their own forward
     base = {"algo": "fedavg", "dataset": "digits", "model": "cnn-small", "num-server-rounds": 1,
-            "clients-per-round": 2, "results-dir": str(tmp_path)}
+            "clients-per-round": 2, "results-dir": str(tmp_path), "device": "cpu"}  # on a GPU machine too
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
     assert "one after another (on a CPU this model's batched convolutions" in capsys.readouterr().err
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
