@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord
 
-from fedaccel.arrays import tensors_to_record
+from fedaccel.arrays import payload_size, tensors_to_record
 from fedaccel.config import config_error
 
 
@@ -83,7 +83,7 @@ def state_to_arrays(model: torch.nn.Module) -> ArrayRecord:
 
 def payload_bytes(arrays: ArrayRecord) -> int:
     """Serialized size of an ArrayRecord's arrays: what actually crosses the wire."""
-    return sum(len(a.data) for a in arrays.values())
+    return sum(payload_size(a) for a in arrays.values())
 
 
 @torch.no_grad()

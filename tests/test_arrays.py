@@ -9,8 +9,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 import fedaccel.arrays as arrays_module
-from fedaccel.arrays import (arrays_to_record, from_numpy, from_tensor, record_to_tensors, tensors_to_record,
-                             to_numpy)
+from fedaccel.arrays import (DeferredArray, arrays_to_record, deferred_from_numpy, from_numpy, from_tensor,
+                             payload_size, record_to_tensors, tensors_to_record, to_numpy)
 from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
 from fedaccel.strategies.server_steps import weighted_mean_of_replies
 
@@ -179,6 +179,42 @@ def test_put_record_leaves_what_flowers_setitem_leaves(monkeypatch, caplog):
     assert arrays_module._content_filling_matches()
     monkeypatch.setattr(RecordDict, "__setitem__", setitem_marking_replacements)
     assert not arrays_module._content_filling_matches()
+
+
+@pytest.mark.parametrize("values", SAMPLES, ids=lambda a: f"{a.dtype}{a.shape}")
+def test_a_deferred_array_is_from_numpys_array_and_writes_its_bytes_only_when_read(values):
+    import copy
+    import pickle
+
+    flowers, deferred = Array(values), deferred_from_numpy(values)
+    if not values.flags.c_contiguous:  # nothing to defer: from_numpy's Array itself
+        assert type(deferred) is Array and deferred.data == flowers.data
+        return
+    assert type(deferred) is DeferredArray and isinstance(deferred, Array)
+    assert (deferred.dtype, deferred.shape, deferred.stype) == (flowers.dtype, flowers.shape, flowers.stype)
+    view = to_numpy(deferred)  # the values themselves, read-only: no bytes written
+    np.testing.assert_array_equal(view, values)
+    assert not view.flags.writeable and values.flags.writeable
+    assert np.shares_memory(view, values) or values.size == 0
+    assert payload_size(deferred) == len(flowers.data) == payload_size(flowers)
+    assert "_payload" not in deferred.__dict__
+    assert deferred == flowers and flowers == deferred and deferred != from_numpy(np.zeros(1, values.dtype))
+    assert "_payload" in deferred.__dict__  # comparing read the bytes
+    assert deferred.data == flowers.data and deferred.object_id == flowers.object_id
+    for twin in (copy.copy(deferred), copy.deepcopy(deferred), pickle.loads(pickle.dumps(deferred))):
+        assert type(twin) is Array and twin.data == flowers.data and twin == flowers
+    # Flower's transport: deflated and inflated in a message's content
+    content = RecordDict({"arrays": ArrayRecord({"w": deferred_from_numpy(values)})})
+    back = record_dict_from_bytes(record_dict_bytes(content))
+    assert back["arrays"]["w"] == flowers
+
+
+def test_setting_a_deferred_arrays_data_replaces_its_values():
+    deferred = deferred_from_numpy(np.arange(3, dtype=np.float32))
+    other = from_numpy(np.full(3, 7.0, np.float32))
+    deferred.data = other.data
+    assert deferred.is_dirty and deferred == other
+    np.testing.assert_array_equal(to_numpy(deferred), np.full(3, 7.0, np.float32))
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():

@@ -69,7 +69,7 @@ from torch.optim.sgd import sgd as functional_sgd  # public: torch.optim.sgd.__a
 
 from flwr.app import ArrayRecord
 
-from fedaccel.arrays import arrays_to_record, from_numpy, load_into
+from fedaccel.arrays import arrays_to_record, deferred_from_numpy, load_into
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
@@ -712,7 +712,7 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
             or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)
     names, stacked = list(model_state), [w.detach().cpu().numpy() for w in weights]  # one copy off a GPU
-    return [arrays_to_record((name, from_numpy(a[row])) for name, a in zip(names, stacked)) if build else None
+    return [arrays_to_record((name, deferred_from_numpy(a[row])) for name, a in zip(names, stacked)) if build else None
             for build, row in zip(builds, rows)]
 
 
