@@ -117,7 +117,7 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     from fedaccel.clients import foof  # FOOF matrix and layer-matrix helpers (pure tensor functions)
     from fedaccel.data import DataConfig, load_federated
     from fedaccel.samplers import cohort
-    from fedaccel.torch_utils import seeded_generator
+    from fedaccel.torch_utils import seeded_generator, select_device
     from fedaccel.models import build_model
 
     from fedaccel.local_run import default_run_config, fuse
@@ -128,7 +128,7 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
         dataset=cfg["dataset"], num_clients=clients, partition=cfg["partition"],
         dirichlet_alpha=cfg["dirichlet-alpha"], seed=seed, local_test_fraction=cfg["local-test-fraction"]))
     parts = [data.client(i) for i in range(clients)]
-    dev = torch.device(cfg["device"])
+    dev = select_device(cfg["device"], bool(cfg.get("tf32", False)))  # the fast runner's TF32 setting too
     train = [(torch.from_numpy(p.x_train).to(dev), torch.from_numpy(p.y_train).to(dev)) for p in parts]
     test_x, test_y = torch.from_numpy(data.test_x).to(dev), torch.from_numpy(data.test_y).to(dev)
     torch.manual_seed(seed)

@@ -149,6 +149,7 @@ class RunConfig:
     tracker: str = "none"  # where the per-round metrics go too (fedaccel.trackers.TRACKERS)
     tracker_uri: str = ""  # TensorBoard log root or MLflow tracking URI ("" = the tracker's default)
     precision: str = "float32"  # float32 | float64: data, model and every client and server state
+    tf32: bool = False  # on a CUDA device, let cuDNN's convolutions and matrix products round to TF32
     init: str = "seeded"  # INITS: the global model's start
     init_noise: float = INIT_NOISE_DEFAULT  # std of the per-coordinate noise of init='near-optimum'
     optimality: bool = False  # record each round's gap and distance to the optimum (fedaccel/optimum.py)

@@ -129,7 +129,7 @@ class Experiment:
         self.federation = federation
         self.spec = get_algorithm(cfg.algo)
         dataset = load_data(data_config_for(cfg, federation.num_clients))
-        self.device = select_device(cfg.device)
+        self.device = select_device(cfg.device, cfg.tf32)
         self.model = build_model_for(cfg, dataset).to(self.device)
         self.test_x = torch.from_numpy(dataset.test_x).to(self.device)
         self.test_y = torch.from_numpy(dataset.test_y).to(self.device)

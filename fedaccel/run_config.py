@@ -247,6 +247,7 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         local_test_fraction=ltf,
         data_dir=_string(cfg, "data-dir"),
         device=_string(cfg, "device", CHOICES["device"]),
+        tf32=_boolean(cfg, "tf32") if "tf32" in cfg else False,
         synthetic=synthetic,
         sampler=spec.default_sampler if sampler == "auto" else sampler,
         lr_schedule=_string(cfg, "lr-schedule", CHOICES["lr-schedule"]),

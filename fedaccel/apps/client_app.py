@@ -134,7 +134,7 @@ def _shared(frozen_config: tuple, num_partitions: int, data_path: str) -> _Share
     MLP).
     """
     cfg = parse_client_config(dict(frozen_config))
-    device = select_device(cfg.device)
+    device = select_device(cfg.device, cfg.tf32)
     if data_path:  # a real device with its own data file
         shape, classes, augment = DATASET_SPECS[cfg.dataset]
         dataset = SimpleNamespace(input_shape=shape, num_classes=classes, augment=augment)
