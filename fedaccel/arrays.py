@@ -144,8 +144,8 @@ class DeferredArray(Array):
     serializes a reply: the server reads it through :func:`to_numpy`, which
     returns the values themselves (read-only), so building ``data`` would be
     one more full copy of the cohort's weights per round (at 1,000 clients
-    of a 1.66M-parameter CNN, 6.6 GB of fresh memory a round, a quarter of
-    such a round's time here). Anyone else reading ``data`` gets exactly
+    of a 1.66M-parameter CNN, 6.6 GB of fresh memory a round, a fifth of
+    such a round's host time on a 2-core CPU). Anyone else reading ``data`` gets exactly
     the bytes :func:`from_numpy` writes; setting ``data`` replaces the values;
     copying or pickling one gives a plain :class:`~flwr.app.Array` with those
     bytes. Written by hand: Flower's Array always holds its bytes.
