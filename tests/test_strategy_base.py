@@ -89,15 +89,49 @@ def test_bytes_and_failure_accounting():
     ok1 = reply(nodes[101], 5, w=np.ones((4, 3)), b=np.ones(3))
     ok2 = reply(nodes[102], 5, w=np.ones((4, 3)), b=np.ones(3))
     bad = error_reply(nodes[103])
-    strategy.aggregate_train(1, [bad, ok1, ok2])
-    log = strategy.rounds[1]
     expected_up = sum(len(a.data) for m in (ok1, ok2)
                       for rec in m.content.array_records.values() for a in rec.values())
+    assert expected_up == payload_bytes(ok1.content["arrays"]) + payload_bytes(ok2.content["arrays"])
+    strategy.aggregate_train(1, [bad, ok1, ok2])
+    log = strategy.rounds[1]
     assert log.bytes_up == expected_up
-    assert log.bytes_up == payload_bytes(ok1.content["arrays"]) + payload_bytes(ok2.content["arrays"])
     assert log.replies == 2
     assert log.failures == 1
     assert log.bytes_down == 3 * per_message  # aggregation does not touch downlink bytes
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedavgm", "fedadam"])
+def test_aggregated_replies_hold_no_arrays_afterwards_and_the_model_is_the_same(algo):
+    """Flower's ``start`` keeps a round's replies alive through the next
+    round; ``aggregate_train`` drops their arrays once it has used them
+    (metrics stay), and the model it returns is the one it returned before."""
+    import gc
+    import weakref
+
+    import fedaccel.strategies.base as base_module
+
+    def round_of(release):
+        strategy = build(algo)
+        msgs = by_node(configure(strategy, 1, arrays(w=np.zeros((4, 3)), b=np.zeros(3))))
+        replies = [reply(msgs[node], 3 + i, w=np.full((4, 3), float(i + 1)), b=np.full(3, -float(i)))
+                   for i, node in enumerate((101, 102))]
+        watched = weakref.ref(replies[0].content["arrays"]["w"])
+        if release:
+            out = strategy.aggregate_train(1, replies)
+        else:
+            with base_module.views_reused():
+                out = strategy._aggregate_train(1, list(replies))
+        return out, replies, watched
+
+    (model, metrics), replies, watched = round_of(release=True)
+    gc.collect()
+    assert all(not any(isinstance(rec, ArrayRecord) for rec in r.content.values()) for r in replies)
+    assert [int(r.content["metrics"]["num-examples"]) for r in replies] == [3, 4]
+    assert watched() is None  # nothing else kept the reply's arrays
+    (kept, kept_metrics), kept_replies, kept_watched = round_of(release=False)
+    assert all("arrays" in r.content for r in kept_replies) and kept_watched() is not None
+    assert list(model.keys()) == list(kept.keys())
+    assert all(model[k].data == kept[k].data for k in model.keys()) and dict(metrics) == dict(kept_metrics)
 
 
 def test_all_replies_failing_names_the_round():

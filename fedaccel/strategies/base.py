@@ -305,8 +305,21 @@ class FedAccelStrategy:
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        with views_reused():  # the checks and the mean read the same Arrays
-            return self._aggregate_train(server_round, replies)
+        """The round's new global model and metrics from its training replies.
+
+        Once they are aggregated (or the round failed), the replies' arrays
+        are dropped from their messages (:func:`release_reply_arrays`):
+        Flower's ``Strategy.start`` keeps a round's replies in a local
+        variable until the next round's replies replace it, so they would
+        otherwise live through the next round's training (at 1,000 clients of
+        the 1.66M-parameter CNN, 6.6 GB held twice).
+        """
+        replies = list(replies)
+        try:
+            with views_reused():  # the checks and the mean read the same Arrays
+                return self._aggregate_train(server_round, replies)
+        finally:
+            release_reply_arrays(replies)
 
     def _aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -472,6 +485,17 @@ class FedAccelStrategy:
 def _layout(record: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
     """A record's keys, in order, with each array's shape."""
     return [(key, tuple(array.shape)) for key, array in record.items()]
+
+
+def release_reply_arrays(replies: Iterable[Message]) -> None:
+    """Drop every ArrayRecord from these messages' content (in place): what
+    :meth:`FedAccelStrategy.aggregate_train` does with a round's training
+    replies once it has used them. Metrics and configs stay."""
+    for reply in replies:
+        if reply.has_content():
+            content = reply.content
+            for key in [k for k, record in content.items() if isinstance(record, ArrayRecord)]:
+                del content[key]
 
 
 def messages_bytes(messages: Iterable[Message]) -> int:
