@@ -997,17 +997,19 @@ def test_a_batched_fedpm_run_does_not_depend_on_the_order_its_messages_come_in(t
     assert all(np.array_equal(model[k], reversed_model[k]) for k in model)
 
 
-@pytest.mark.parametrize("variant", ["full", "km", "re"])
-def test_fedrkmgc_corrections_formed_for_the_batch_are_each_clients_end_round_byte_for_byte(variant,
-                                                                                              monkeypatch) -> None:
-    """FedRKMGC's batched begin (the received weights as anchor, no model
-    loaded) and its corrections formed from the stacked trained weights
-    (``cohort_after_steps``) store, round after round, the state records its
+@pytest.mark.parametrize("algo, changes", [("fedrkmgc", {"fedrkmgc.variant": "full"}),
+                                           ("fedrkmgc", {"fedrkmgc.variant": "km"}),
+                                           ("fedrkmgc", {"fedrkmgc.variant": "re"}),
+                                           ("feddyn", {"feddyn.alpha": 0.3})])
+def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo, changes, monkeypatch) -> None:
+    """FedRKMGC's and FedDyn's batched begin (the received weights as
+    anchor, no model loaded) and their new state formed from the stacked
+    trained weights (``cohort_after_steps``: FedRKMGC's corrections, FedDyn's
+    ``grad_prev``) store, round after round, the state records their
     per-client ``begin_round`` and ``end_round`` store, byte for byte, and
     reply the same weights; no client is loaded into the model."""
-    from fedaccel.clients.fedrkmgc import FedRKMGCSolver
-
-    cfg = run_cfg("fedrkmgc", **{"batch-size": 16, "momentum": 0.9, "fedrkmgc.variant": variant})
+    solver_class = type(get_algorithm(algo).solver(run_cfg(algo, **changes)))
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
     model, datas = make_model(), clients()
 
     def rounds(states, batched):
@@ -1015,12 +1017,12 @@ def test_fedrkmgc_corrections_formed_for_the_batch_are_each_clients_end_round_by
         real = cohort_module._load_weights
         monkeypatch.setattr(cohort_module, "_load_weights", lambda *a: loads.append(1) or real(*a))
         if not batched:
-            monkeypatch.setattr(FedRKMGCSolver, "cohort_after_steps", lambda self, *a, **k: None)
-            monkeypatch.setattr(FedRKMGCSolver, "cohort_begin_round", lambda self, *a, **k: None)
+            monkeypatch.setattr(solver_class, "cohort_after_steps", lambda self, *a, **k: None)
+            monkeypatch.setattr(solver_class, "cohort_begin_round", lambda self, *a, **k: None)
         replies = []
         for r in (1, 2, 3):
             jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
-                              config=config_for("fedrkmgc", r), state=states[c],
+                              config=config_for(algo, r), state=states[c],
                               generator=seeded_generator(cfg.seed, r, c, "train"))
                     for c, data in enumerate(datas) if r > 1 or c < 5]  # clients 5, 6 start in round 2
             replies.append([res.arrays for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
@@ -1038,4 +1040,4 @@ def test_fedrkmgc_corrections_formed_for_the_batch_are_each_clients_end_round_by
     for a, b in zip(formed_states, loaded_states):
         assert list(a.record.keys()) == list(b.record.keys())
         assert all(a.record[k] == b.record[k] for k in a.record.keys())
-    assert any(k.startswith("fedaccel.v3.fedrkmgc") for k in formed_states[6].record.keys())
+    assert any(k.startswith(f"fedaccel.v3.{algo}") for k in formed_states[6].record.keys())

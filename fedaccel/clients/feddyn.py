@@ -49,6 +49,30 @@ class FedDynSolver(LocalSolver):
         params = OrderedDict(model.named_parameters())
         self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
         self.grad_prev = groups_or_zeros(state, "feddyn", ("grad_prev",), self.anchor)["grad_prev"]
+        self._formed = None  # the new grad_prev the cohort trainer forms (cohort_after_steps)
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_round` of every opening at once: the anchor
+        ``theta^{t-1}`` is the received weights themselves (read only;
+        ``begin_round`` copies them out of the loaded model), each client's
+        ``grad_prev`` is read from its own state as before, and no model is
+        loaded."""
+        if type(self).begin_round is not FedDynSolver.begin_round:
+            return None
+        names = [name for name, _ in model.named_parameters()]
+        begun: list = []
+        for o in openings:
+            solver = o.solver
+            try:
+                anchor = OrderedDict(zip(names, o.received_params))
+                grad_prev = groups_or_zeros(o.state, "feddyn", ("grad_prev",), anchor)["grad_prev"]
+            except Exception as err:  # noqa: BLE001 - returned as that client's own error
+                begun.append(err)
+                continue
+            solver.alpha, solver.anchor, solver.grad_prev = float(solver.params.alpha), anchor, grad_prev
+            solver._formed = None
+            begun.append(list(anchor.values()))
+        return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"anchor": list(self.anchor.values()), "grad_prev": list(self.grad_prev.values())}
@@ -58,8 +82,36 @@ class FedDynSolver(LocalSolver):
         return g + dynamic_gradient(w, tensors["anchor"], tensors["grad_prev"], self.alpha)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
-        state.put("feddyn", flat_groups({"grad_prev": {
-            k: grad_prev_update(self.grad_prev[k], p.detach(), self.anchor[k], self.alpha)
-            for k, p in model.named_parameters()
-        }}))
+        formed, self._formed = getattr(self, "_formed", None), None
+        if formed is None:
+            formed = OrderedDict((k, grad_prev_update(self.grad_prev[k], p.detach(), self.anchor[k], self.alpha))
+                                 for k, p in model.named_parameters())
+        state.put("feddyn", flat_groups({"grad_prev": formed}))
         return {}
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs=None) -> None:
+        """:meth:`end_round`'s ``grad_prev`` update (:func:`grad_prev_update`)
+        for every member at once, from the stacked trained weights:
+        elementwise, so the same values as one client at a time;
+        ``end_round`` then only stores them."""
+        if type(self).end_round is not FedDynSolver.end_round:
+            return
+        solvers = [m.solver for m in members]
+        if any(s.alpha != self.alpha for s in solvers):
+            return
+        index = torch.tensor(rows, device=weights[0].device)
+        formed: list[OrderedDict] = [OrderedDict() for _ in solvers]
+        for (name, _), w in zip(model.named_parameters(), weights):
+            anchors = [s.anchor[name] for s in solvers]
+            anchor = anchors[0] if all(a is anchors[0] for a in anchors) else torch.stack(anchors)
+            new = grad_prev_update(torch.stack([s.grad_prev[name] for s in solvers]),
+                                   w.detach().index_select(0, index), anchor, self.alpha)
+            for c in range(len(solvers)):
+                formed[c][name] = new[c]
+        for s, grad_prev in zip(solvers, formed):
+            s._formed = grad_prev
+
+    def reads_trained_model(self) -> bool:
+        """Not once :meth:`cohort_after_steps` formed the new ``grad_prev``."""
+        return getattr(self, "_formed", None) is None
