@@ -130,6 +130,32 @@ class LocalSolver:
         :meth:`begin_round` sets, to the bit. Default: None."""
         return None
 
+    def begin_at_anchor(self, train: TrainConfig, state: ClientState,
+                        anchor: "OrderedDict[str, torch.Tensor]") -> None:
+        """What :meth:`begin_round` sets, given ``anchor``: the received
+        parameters by name (read only). For solvers whose :meth:`begin_round`
+        is this, on a copy of the loaded model's parameters (FedRKMGC,
+        FedDyn): their :meth:`cohort_begin_round` is then
+        :meth:`begin_each_at_received_weights`. Not implemented by default."""
+        raise NotImplementedError
+
+    def begin_each_at_received_weights(self, model: torch.nn.Module, openings: list[Any]) -> list[Any]:
+        """:meth:`cohort_begin_round` for a solver whose :meth:`begin_round` is
+        :meth:`begin_at_anchor`: each opening's solver begun at the received
+        parameters themselves (``begin_round`` copies them out of the loaded
+        model), no model loaded; an exception is that client's own."""
+        names = [name for name, _ in model.named_parameters()]
+        begun: list[Any] = []
+        for o in openings:
+            anchor = OrderedDict(zip(names, o.received_params))
+            try:
+                o.solver.begin_at_anchor(o.train, o.state, anchor)
+            except Exception as err:  # noqa: BLE001 - returned as that client's own error
+                begun.append(err)
+                continue
+            begun.append(list(anchor.values()))
+        return begun
+
     def cohort_before_steps(self, model: torch.nn.Module, members: list[Any],
                             layer_inputs: Any = None) -> list[BaseException | None] | None:
         """:meth:`before_steps` of a chunk of the cohort trainer's members at

@@ -45,34 +45,21 @@ class FedDynSolver(LocalSolver):
     state_copies = 1
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
+        self.begin_at_anchor(config, state, OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters()))
+
+    def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
+        """``alpha``, the anchor ``theta^{t-1}`` and the saved ``grad_prev`` (zero at the start)."""
         self.alpha = float(self.params.alpha)
-        params = OrderedDict(model.named_parameters())
-        self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
-        self.grad_prev = groups_or_zeros(state, "feddyn", ("grad_prev",), self.anchor)["grad_prev"]
+        self.anchor = anchor
+        self.grad_prev = groups_or_zeros(state, "feddyn", ("grad_prev",), anchor)["grad_prev"]
         self._formed = None  # the new grad_prev the cohort trainer forms (cohort_after_steps)
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_round` of every opening at once: the anchor
-        ``theta^{t-1}`` is the received weights themselves (read only;
-        ``begin_round`` copies them out of the loaded model), each client's
-        ``grad_prev`` is read from its own state as before, and no model is
-        loaded."""
+        """:meth:`begin_round` of every opening at once, no model loaded
+        (:meth:`~fedaccel.clients.base.LocalSolver.begin_each_at_received_weights`)."""
         if type(self).begin_round is not FedDynSolver.begin_round:
             return None
-        names = [name for name, _ in model.named_parameters()]
-        begun: list = []
-        for o in openings:
-            solver = o.solver
-            try:
-                anchor = OrderedDict(zip(names, o.received_params))
-                grad_prev = groups_or_zeros(o.state, "feddyn", ("grad_prev",), anchor)["grad_prev"]
-            except Exception as err:  # noqa: BLE001 - returned as that client's own error
-                begun.append(err)
-                continue
-            solver.alpha, solver.anchor, solver.grad_prev = float(solver.params.alpha), anchor, grad_prev
-            solver._formed = None
-            begun.append(list(anchor.values()))
-        return begun
+        return self.begin_each_at_received_weights(model, openings)
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"anchor": list(self.anchor.values()), "grad_prev": list(self.grad_prev.values())}

@@ -127,37 +127,23 @@ class FedRKMGCSolver(LocalSolver):
     state_copies = 2
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
-        self.t = paper_round_index(config.server_round)
+        self.begin_at_anchor(config, state, OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters()))
+
+    def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
+        """Round ``t``, the variant's correction, the anchor ``theta^t`` and the
+        saved ``delta``, ``raw_prev`` (zero at the start)."""
+        self.t = paper_round_index(train.server_round)
         _, self.correction = variant_components(self.params.variant)
-        params = OrderedDict(model.named_parameters())
-        self.anchor = OrderedDict((k, p.detach().clone()) for k, p in params.items())
-        saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), self.anchor)
-        self.delta, self.raw_prev = saved["delta"], saved["raw_prev"]
+        saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), anchor)
+        self.anchor, self.delta, self.raw_prev = anchor, saved["delta"], saved["raw_prev"]
         self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_round` of every opening at once: the anchor is the
-        received weights themselves (read only; ``begin_round`` copies them
-        out of the loaded model), each client's saved corrections are read
-        from its own state as before, and no model is loaded."""
+        """:meth:`begin_round` of every opening at once, no model loaded
+        (:meth:`~fedaccel.clients.base.LocalSolver.begin_each_at_received_weights`)."""
         if type(self).begin_round is not FedRKMGCSolver.begin_round:
             return None
-        names = [name for name, _ in model.named_parameters()]
-        begun: list = []
-        for o in openings:
-            solver = o.solver
-            try:
-                solver.t = paper_round_index(o.train.server_round)
-                _, solver.correction = variant_components(solver.params.variant)
-                anchor = OrderedDict(zip(names, o.received_params))
-                saved = groups_or_zeros(o.state, "fedrkmgc", ("delta", "raw_prev"), anchor)
-            except Exception as err:  # noqa: BLE001 - returned as that client's own error
-                begun.append(err)
-                continue
-            solver.anchor, solver.delta, solver.raw_prev = anchor, saved["delta"], saved["raw_prev"]
-            solver._formed = None
-            begun.append(list(anchor.values()))
-        return begun
+        return self.begin_each_at_received_weights(model, openings)
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"delta": list(self.delta.values())}
