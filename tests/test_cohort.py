@@ -620,6 +620,32 @@ def test_uploads_built_from_the_stacked_weights_are_the_loaded_models_byte_for_b
             assert all(ex[name][k].__dict__ == ey[name][k].__dict__ for k in ex[name].keys())
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "feddyn", "fedrkmgc"])
+def test_a_model_whose_upload_cannot_be_built_from_the_stack_is_loaded_for_the_default_upload(algo,
+                                                                                            monkeypatch) -> None:
+    """When the stacked weights cannot give the upload (``_weight_records``
+    says None for a model whose state is more than its parameters, in
+    another order or not contiguous), a solver whose upload is the default
+    ``state_to_arrays(model)`` gets its weights loaded, even when nothing
+    else after the steps reads the model (FedAvg; FedDyn and FedRKMGC once
+    their state is formed): the same replies as when the upload is built."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
+    model, datas = make_model(), clients()
+
+    def arrays_of_round() -> list:
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                          config=config_for(algo, 1), state=ContextState(RecordDict()),
+                          generator=seeded_generator(cfg.seed, 1, c, "train"))
+                for c, data in enumerate(datas)]
+        return [r.arrays for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)]
+
+    built = arrays_of_round()
+    monkeypatch.setattr(cohort_module, "_weight_records", lambda *a: [None] * len(a[-1]))
+    loaded = arrays_of_round()
+    for x, y in zip(built, loaded):
+        assert list(x.keys()) == list(y.keys()) and all(same_array(x[k], y[k]) for k in x.keys())
+
+
 def test_solvers_that_read_the_trained_model_upload_it_themselves() -> None:
     """SCAFFOLD, FedDyn, FedRKMGC, FedPM (``end_round``) and FedCDR
     (``upload``) read the model after the steps: the trainer loads their

@@ -687,7 +687,10 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 part[0][1].solver.cohort_after_steps(model, [m for _, m in part], weights, rows, layer_inputs)
             uploads = _weight_records(model_state, param_slots, weights, rows, part)
             for (j, member), row, m, arrays in zip(part, rows, metrics, uploads):
-                if arrays is None and member.solver.reads_trained_model():
+                # no upload built from the stack (this member's, or a model _weight_records
+                # cannot build one for): load the weights if anything after the steps reads
+                # them, the default upload (state_to_arrays) included
+                if arrays is None and (member.solver.reads_trained_model() or not member.solver.overrides("upload")):
                     _load_weights(params, [w[row] for w in weights])
                 try:
                     out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m, arrays=arrays)
