@@ -127,11 +127,21 @@ def views_reused() -> Iterator[None]:
 def from_numpy(values: np.ndarray) -> Array:
     """An Array holding ``values``: byte for byte what ``Array(values)`` builds."""
     values = np.asarray(values)
-    if values.dtype.hasobject or values.dtype.fields is not None or not values.flags.c_contiguous:
+    if not _plain_c_order(values):
         return Array(values)  # Flower's own path (Fortran order, records; its error for objects)
-    shape = tuple(int(s) for s in values.shape)
-    data = b"".join((_npy_header(values.dtype.str, shape), values.reshape(-1).view(np.uint8)))  # one copy
-    return _new_array(_dtype_name(values.dtype), shape, data)
+    return _new_array(_dtype_name(values.dtype), tuple(int(s) for s in values.shape), _npy_bytes(values))
+
+
+def _plain_c_order(values: np.ndarray) -> bool:
+    """Whether :func:`from_numpy` writes ``values`` itself: a C-contiguous
+    array of a simple dtype (no objects, no record fields)."""
+    return not values.dtype.hasobject and values.dtype.fields is None and values.flags.c_contiguous
+
+
+def _npy_bytes(values: np.ndarray) -> bytes:
+    """What ``np.save`` writes for a C-contiguous ``values``, in one copy."""
+    return b"".join((_npy_header(values.dtype.str, tuple(int(s) for s in values.shape)),
+                     values.reshape(-1).view(np.uint8)))
 
 
 class DeferredArray(Array):
@@ -156,9 +166,7 @@ class DeferredArray(Array):
         fields = self.__dict__
         payload = fields.get("_payload")
         if payload is None:
-            values = fields["_values"]
-            payload = b"".join((_npy_header(values.dtype.str, tuple(values.shape)), values.reshape(-1).view(np.uint8)))
-            fields["_payload"] = payload
+            payload = fields["_payload"] = _npy_bytes(fields["_values"])
         return payload
 
     @data.setter
@@ -190,8 +198,7 @@ def deferred_from_numpy(values: np.ndarray) -> Array:
     ``values`` must not change while the Array lives: it is made read-only
     here (a view of a larger array is; the array itself stays writeable)."""
     values = np.asarray(values)
-    if (not _FILL_RECORDS or values.dtype.hasobject or values.dtype.fields is not None
-            or not values.flags.c_contiguous):
+    if not _FILL_RECORDS or not _plain_c_order(values):
         return from_numpy(values)
     view = values.view()
     view.flags.writeable = False

@@ -23,10 +23,9 @@ def select_device(name: str, tf32: bool = False) -> torch.device:
     on a CPU: on an H200, one batched round of the McMahan CNN differed from
     the same round client by client by up to 1.6e-3 with cuDNN's TF32 and
     7.3e-5 without (docs/cohort-batching.md, "Measured on a GPU")."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else None
     if name == "cuda" and not torch.cuda.is_available():
         raise config_error("device", name, "no CUDA device is visible here; use 'auto' or 'cpu'")
-    device = device if device is not None else torch.device(name)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
         torch.backends.cudnn.allow_tf32 = tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
