@@ -130,31 +130,13 @@ class LocalSolver:
         :meth:`begin_round` sets, to the bit. Default: None."""
         return None
 
-    def begin_at_anchor(self, train: TrainConfig, state: ClientState,
-                        anchor: "OrderedDict[str, torch.Tensor]") -> None:
-        """What :meth:`begin_round` sets, given ``anchor``: the received
-        parameters by name (read only). For solvers whose :meth:`begin_round`
-        is this, on a copy of the loaded model's parameters (FedRKMGC,
-        FedDyn): their :meth:`cohort_begin_round` is then
-        :meth:`begin_each_at_received_weights`. Not implemented by default."""
-        raise NotImplementedError
-
-    def begin_each_at_received_weights(self, model: torch.nn.Module, openings: list[Any]) -> list[Any]:
-        """:meth:`cohort_begin_round` for a solver whose :meth:`begin_round` is
-        :meth:`begin_at_anchor`: each opening's solver begun at the received
-        parameters themselves (``begin_round`` copies them out of the loaded
-        model), no model loaded; an exception is that client's own."""
-        names = [name for name, _ in model.named_parameters()]
-        begun: list[Any] = []
-        for o in openings:
-            anchor = OrderedDict(zip(names, o.received_params))
-            try:
-                o.solver.begin_at_anchor(o.train, o.state, anchor)
-            except Exception as err:  # noqa: BLE001 - returned as that client's own error
-                begun.append(err)
-                continue
-            begun.append(list(anchor.values()))
-        return begun
+    @staticmethod
+    def shared_or_stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The members' tensors for an elementwise batched operation: the one
+        tensor itself when every member holds that same tensor (the received
+        weights, broadcast against a ``[C, ...]`` stack), else stacked."""
+        first = tensors[0]
+        return first if all(t is first for t in tensors) else torch.stack(tensors)
 
     def cohort_before_steps(self, model: torch.nn.Module, members: list[Any],
                             layer_inputs: Any = None) -> list[BaseException | None] | None:
@@ -437,3 +419,39 @@ class LocalSolver:
                 "with client-state='context'?); starting again from the initial state. Use "
                 "client-state='disk' to keep state across restarts.", accepted)
         return outcome == "lost"
+
+
+class AnchoredSolver(LocalSolver):
+    """A solver whose round begins at an anchor, the received parameters,
+    plus what it reads from its own state (FedRKMGC, FedDyn): it writes that
+    as :meth:`begin_at_anchor`. :meth:`begin_round` calls it on a copy of the
+    loaded model's parameters; :meth:`cohort_begin_round` on the received
+    parameters themselves, for every opening at once, no model loaded."""
+
+    def begin_at_anchor(self, train: TrainConfig, state: ClientState,
+                        anchor: "OrderedDict[str, torch.Tensor]") -> None:
+        """What :meth:`begin_round` sets, given ``anchor``: the received
+        parameters by name (read only)."""
+        raise NotImplementedError
+
+    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
+        self.begin_at_anchor(config, state, OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters()))
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list[Any]) -> list[Any] | None:
+        """:meth:`begin_at_anchor` of each opening's solver at the received
+        parameters (``begin_round`` copies them out of the loaded model); an
+        exception is that client's own. None for a subclass with a
+        ``begin_round`` of its own."""
+        if type(self).begin_round is not AnchoredSolver.begin_round:
+            return None
+        names = [name for name, _ in model.named_parameters()]
+        begun: list[Any] = []
+        for o in openings:
+            anchor = OrderedDict(zip(names, o.received_params))
+            try:
+                o.solver.begin_at_anchor(o.train, o.state, anchor)
+            except Exception as err:  # noqa: BLE001 - returned as that client's own error
+                begun.append(err)
+                continue
+            begun.append(list(anchor.values()))
+        return begun

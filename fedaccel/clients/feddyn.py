@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-from fedaccel.clients.base import LocalSolver
+from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
 from fedaccel.contract import TrainConfig
 
@@ -39,13 +39,10 @@ def grad_prev_update(grad_prev: T, theta_local: T, theta_server: T, alpha: float
     return grad_prev - alpha * (theta_local - theta_server)  # type: ignore[operator]
 
 
-class FedDynSolver(LocalSolver):
+class FedDynSolver(AnchoredSolver):
     """Local SGD on FedDyn's dynamically regularised objective; ``feddyn.alpha``."""
 
     state_copies = 1
-
-    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
-        self.begin_at_anchor(config, state, OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters()))
 
     def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
         """``alpha``, the anchor ``theta^{t-1}`` and the saved ``grad_prev`` (zero at the start)."""
@@ -53,13 +50,6 @@ class FedDynSolver(LocalSolver):
         self.anchor = anchor
         self.grad_prev = groups_or_zeros(state, "feddyn", ("grad_prev",), anchor)["grad_prev"]
         self._formed = None  # the new grad_prev the cohort trainer forms (cohort_after_steps)
-
-    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_round` of every opening at once, no model loaded
-        (:meth:`~fedaccel.clients.base.LocalSolver.begin_each_at_received_weights`)."""
-        if type(self).begin_round is not FedDynSolver.begin_round:
-            return None
-        return self.begin_each_at_received_weights(model, openings)
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"anchor": list(self.anchor.values()), "grad_prev": list(self.grad_prev.values())}
@@ -90,8 +80,7 @@ class FedDynSolver(LocalSolver):
         index = torch.tensor(rows, device=weights[0].device)
         formed: list[OrderedDict] = [OrderedDict() for _ in solvers]
         for (name, _), w in zip(model.named_parameters(), weights):
-            anchors = [s.anchor[name] for s in solvers]
-            anchor = anchors[0] if all(a is anchors[0] for a in anchors) else torch.stack(anchors)
+            anchor = self.shared_or_stacked([s.anchor[name] for s in solvers])
             new = grad_prev_update(torch.stack([s.grad_prev[name] for s in solvers]),
                                    w.detach().index_select(0, index), anchor, self.alpha)
             for c in range(len(solvers)):

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 import torch
 
-from fedaccel.clients.base import LocalSolver
+from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
 from fedaccel.contract import TrainConfig
 
@@ -121,13 +121,10 @@ def correction_update(kind: str, delta: T, raw: T, raw_prev: T, t: int, gamma: f
     raise ValueError(f"unknown correction {kind!r}; allowed: {', '.join(CORRECTIONS)}")
 
 
-class FedRKMGCSolver(LocalSolver):
+class FedRKMGCSolver(AnchoredSolver):
     """Local SGD on ``g - delta``, then the (fast-)KM correction update."""
 
     state_copies = 2
-
-    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
-        self.begin_at_anchor(config, state, OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters()))
 
     def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
         """Round ``t``, the variant's correction, the anchor ``theta^t`` and the
@@ -137,13 +134,6 @@ class FedRKMGCSolver(LocalSolver):
         saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), anchor)
         self.anchor, self.delta, self.raw_prev = anchor, saved["delta"], saved["raw_prev"]
         self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
-
-    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_round` of every opening at once, no model loaded
-        (:meth:`~fedaccel.clients.base.LocalSolver.begin_each_at_received_weights`)."""
-        if type(self).begin_round is not FedRKMGCSolver.begin_round:
-            return None
-        return self.begin_each_at_received_weights(model, openings)
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"delta": list(self.delta.values())}
@@ -181,8 +171,7 @@ class FedRKMGCSolver(LocalSolver):
         deltas: list[OrderedDict] = [OrderedDict() for _ in solvers]
         raws: list[OrderedDict] = [OrderedDict() for _ in solvers]
         for (name, _), w in zip(model.named_parameters(), weights):
-            anchors = [s.anchor[name] for s in solvers]
-            anchor = anchors[0] if all(a is anchors[0] for a in anchors) else torch.stack(anchors)
+            anchor = self.shared_or_stacked([s.anchor[name] for s in solvers])
             delta = torch.stack([s.delta[name] for s in solvers])
             raw = raw_correction(delta, w.detach().index_select(0, index), anchor, beta)
             new = correction_update(self.correction, delta, raw, torch.stack([s.raw_prev[name] for s in solvers]),
