@@ -49,6 +49,7 @@ def one_error_line(err: str) -> str:
     (["logical-clients=-4"], 2, "logical-clients=-4: must be an integer >= 0"),
     (["logical-clients=1.5"], 2, "logical-clients=1.5: must be an integer >= 0"),
     (["precision='float16'"], 2, "precision='float16': allowed: float32, float64"),
+    (["tf32='yes'"], 2, "tf32='yes': must be true or false"),
     (["init-noise=0.3"], 2, "init-noise=0.3: is the noise of init='near-optimum', which this run does not use"),
     (["init='near-optimum'"], 2, "init='near-optimum': needs a strongly convex problem, whose optimum is unique: "
                                  "model='logreg' with weight-decay > 0 (this run: model='mlp', weight-decay=0.0)"),
