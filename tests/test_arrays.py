@@ -9,8 +9,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 import fedaccel.arrays as arrays_module
-from fedaccel.arrays import (DeferredArray, arrays_to_record, deferred_from_numpy, from_numpy, from_tensor,
-                             payload_size, record_to_tensors, tensors_to_record, to_numpy)
+from fedaccel.arrays import (DeferredArray, StackedRows, all_finite, arrays_to_record,
+                             deferred_row, from_numpy, from_tensor, mean_of_records, payload_size,
+                             record_to_tensors, tensors_to_record, to_numpy)
 from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
 from fedaccel.strategies.server_steps import weighted_mean_of_replies
 
@@ -181,12 +182,17 @@ def test_put_record_leaves_what_flowers_setitem_leaves(monkeypatch, caplog):
     assert not arrays_module._content_filling_matches()
 
 
+def deferred_of(values: np.ndarray):
+    """``values`` as the one row of a stack (sharing its memory)."""
+    return deferred_row(StackedRows(torch.from_numpy(values)[None]), 0)
+
+
 @pytest.mark.parametrize("values", SAMPLES, ids=lambda a: f"{a.dtype}{a.shape}")
 def test_a_deferred_array_is_from_numpys_array_and_writes_its_bytes_only_when_read(values):
     import copy
     import pickle
 
-    flowers, deferred = Array(values), deferred_from_numpy(values)
+    flowers, deferred = Array(values), deferred_of(values)
     if not values.flags.c_contiguous:  # nothing to defer: from_numpy's Array itself
         assert type(deferred) is Array and deferred.data == flowers.data
         return
@@ -204,17 +210,147 @@ def test_a_deferred_array_is_from_numpys_array_and_writes_its_bytes_only_when_re
     for twin in (copy.copy(deferred), copy.deepcopy(deferred), pickle.loads(pickle.dumps(deferred))):
         assert type(twin) is Array and twin.data == flowers.data and twin == flowers
     # Flower's transport: deflated and inflated in a message's content
-    content = RecordDict({"arrays": ArrayRecord({"w": deferred_from_numpy(values)})})
+    content = RecordDict({"arrays": ArrayRecord({"w": deferred_of(values)})})
     back = record_dict_from_bytes(record_dict_bytes(content))
     assert back["arrays"]["w"] == flowers
 
 
 def test_setting_a_deferred_arrays_data_replaces_its_values():
-    deferred = deferred_from_numpy(np.arange(3, dtype=np.float32))
+    deferred = deferred_of(np.arange(3, dtype=np.float32))
     other = from_numpy(np.full(3, 7.0, np.float32))
     deferred.data = other.data
     assert deferred.is_dirty and deferred == other
     np.testing.assert_array_equal(to_numpy(deferred), np.full(3, 7.0, np.float32))
+
+
+STACKS = [
+    torch.arange(24, dtype=torch.float32).reshape(3, 2, 4) / 7,
+    torch.arange(3, dtype=torch.float64) / 3,  # each row 0-d
+    torch.arange(12, dtype=torch.int64).reshape(3, 4),
+    torch.ones((3, 0, 2), dtype=torch.float16),
+    torch.arange(6, dtype=torch.float32).reshape(3, 2).to(torch.complex64),
+]
+
+
+@pytest.mark.parametrize("stack", STACKS, ids=lambda t: f"{t.dtype}{tuple(t.shape)}")
+def test_a_row_of_a_stack_is_from_numpys_array_of_that_row(stack):
+    """``deferred_row``: the fields and bytes ``from_numpy`` gives the row,
+    its values a read-only view of the stack (no copy on a CPU), the same
+    payload size, and ``data`` set replaces the values."""
+    rows = StackedRows(stack)
+    for row in range(stack.shape[0]):
+        expected, deferred = from_numpy(stack[row].numpy()), deferred_row(rows, row)
+        assert type(deferred) is DeferredArray
+        assert (deferred.dtype, deferred.shape, deferred.stype) == (expected.dtype, expected.shape, expected.stype)
+        assert payload_size(deferred) == len(expected.data) and "_payload" not in deferred.__dict__
+        view = to_numpy(deferred)
+        np.testing.assert_array_equal(view, stack[row].numpy())
+        assert not view.flags.writeable and (np.shares_memory(view, stack.numpy()) or view.size == 0)
+        assert deferred == expected and deferred.data == expected.data
+    replaced = deferred_row(rows, 0)
+    replaced.data = from_numpy(np.zeros(tuple(stack.shape[1:]), stack.numpy().dtype)).data
+    assert "_rows" not in replaced.__dict__ and not to_numpy(replaced).any()
+
+
+def test_all_finite_reads_a_stacks_rows_in_one_pass_and_other_arrays_with_numpy():
+    stack = torch.zeros(5, 3)
+    stack[1, 2], stack[3, 0] = float("nan"), float("-inf")
+    stack[4] = 3e38  # finite values whose sum overflows: still a finite row
+    rows = StackedRows(stack)
+    assert [all_finite(deferred_row(rows, r)) for r in range(5)] == [True, False, True, False, True]
+    assert rows._finite is not None and rows._host is None  # flags from the stack, no NumPy copy made
+    assert [all_finite(from_numpy(stack[r].numpy())) for r in range(5)] == [True, False, True, False, True]
+    assert all_finite(deferred_row(StackedRows(torch.zeros(2, 0)), 1))
+    assert all_finite(from_numpy(np.arange(3))) and all_finite(deferred_row(StackedRows(torch.ones(2, 3, dtype=torch.int32)), 0))
+    replaced = deferred_row(rows, 1)  # data replaced: its own values count, not the stack's flag
+    replaced.data = from_numpy(np.zeros(3, np.float32)).data
+    assert all_finite(replaced)
+
+
+@pytest.fixture
+def stacks_on_device(monkeypatch):
+    """CPU stacks that say they live on a device: the device mean runs on the CPU."""
+    monkeypatch.setattr(StackedRows, "on_device", property(lambda self: True))
+
+
+def _stacked_records(generator: torch.Generator, clients: int, dtype=torch.float32) -> tuple[list, list]:
+    """The same clients' arrays as rows of stacks and as plain Arrays of those rows."""
+    stacks = {"w": torch.randn(clients, 5, 3, generator=generator, dtype=dtype),
+              "b": torch.randn(clients, 3, generator=generator, dtype=dtype)}
+    rows = {k: StackedRows(t) for k, t in stacks.items()}
+    stacked = [{k: deferred_row(rows[k], c) for k in stacks} for c in range(clients)]
+    plain = [{k: from_numpy(t[c].numpy()) for k, t in stacks.items()} for c in range(clients)]
+    return stacked, plain
+
+
+@pytest.mark.parametrize("accumulate", [None, np.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_mean_on_the_stacks_device_is_numpys_mean_bit_for_bit(stacks_on_device, dtype, accumulate):
+    """``mean_of_records`` over rows of stacks off the host sums on the
+    stacks' device in the NumPy loop's order and rounding: the same bits as
+    over plain Arrays of the same values (example weights, uniform, and the
+    float64 accumulation of server state), with no host copy of a stack."""
+    generator = torch.Generator().manual_seed(3)
+    stacked, plain = _stacked_records(generator, 37, dtype)
+    weights = [float(n) for n in torch.randint(1, 500, (37,), generator=generator)]
+    for w in (weights, None):
+        got, expected = mean_of_records(stacked, w, accumulate), mean_of_records(plain, w, accumulate)
+        assert list(got) == list(expected)
+        for key in expected:
+            assert got[key].dtype == expected[key].dtype and got[key].tobytes() == expected[key].tobytes(), key
+    assert all(a._rows._host is None for record in stacked for a in record.values())
+
+
+def test_the_device_mean_is_not_numpys_sum_in_another_order(stacks_on_device, monkeypatch):
+    """The check above can fail: summed all at once (another order) the same
+    records differ from NumPy's loop in the last bits."""
+    generator = torch.Generator().manual_seed(3)
+    stacked, plain = _stacked_records(generator, 37)
+    weights = [float(n) for n in torch.randint(1, 500, (37,), generator=generator)]
+
+    def summed_at_once(records, scales, dtype):
+        if type(records[0]["w"]) is not DeferredArray:
+            return None
+        columns = {k: torch.stack([r[k]._rows.tensor[r[k]._row] for r in records]) for k in records[0]}
+        w = torch.tensor(scales, dtype=torch.float32)
+        return {k: (t * w.reshape(-1, *[1] * (t.dim() - 1))).sum(0).numpy() for k, t in columns.items()}
+
+    monkeypatch.setattr(arrays_module, "_mean_on_device", summed_at_once)
+    got, expected = mean_of_records(stacked, weights), mean_of_records(plain, weights)
+    assert any(got[k].tobytes() != expected[k].tobytes() for k in expected)
+
+
+def test_the_device_mean_falls_back_to_numpy_for_anything_else(stacks_on_device, monkeypatch):
+    """Rows mixed with plain Arrays, another dtype, or CPU stacks: the NumPy
+    loop (which copies the stacks to the host)."""
+    generator = torch.Generator().manual_seed(5)
+    stacked, plain = _stacked_records(generator, 4)
+    ints = [{"w": deferred_row(StackedRows(torch.arange(8).reshape(4, 2)), c)} for c in range(4)]
+    for records in (stacked[:2] + plain[2:], ints, [dict(reversed(list(r.items()))) for r in stacked[:1]] + stacked[1:]):
+        assert arrays_module._mean_on_device(records, [0.25] * 4, None) is None
+    monkeypatch.setattr(StackedRows, "on_device", property(lambda self: False))
+    assert arrays_module._mean_on_device(stacked, [0.25] * 4, None) is None
+    got, expected = mean_of_records(stacked, None), mean_of_records(plain, None)
+    assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("accumulate", [None, np.float64])
+def test_the_mean_on_a_gpu_is_numpys_mean_bit_for_bit(accumulate):
+    """On a real GPU: the mean of stacks kept there (the cohort trainer's
+    uploads of a one-chunk round) is the NumPy loop's, to the bit, and the
+    stacks are never copied to the host; the finite flags are the same."""
+    generator = torch.Generator().manual_seed(7)
+    stacks = {"w": torch.randn(300, 64, 33, generator=generator), "b": torch.randn(300, 33, generator=generator)}
+    stacks["b"][17, 3] = float("nan")
+    on_gpu = {k: StackedRows(t.cuda()) for k, t in stacks.items()}
+    stacked = [{k: deferred_row(on_gpu[k], c) for k in stacks} for c in range(300)]
+    plain = [{k: from_numpy(t[c].numpy()) for k, t in stacks.items()} for c in range(300)]
+    weights = [float(n) for n in torch.randint(1, 500, (300,), generator=generator)]
+    got, expected = mean_of_records(stacked, weights, accumulate), mean_of_records(plain, weights, accumulate)
+    assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
+    assert [all_finite(r["b"]) for r in stacked] == [all_finite(r["b"]) for r in plain]
+    assert all(rows._host is None for rows in on_gpu.values())
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():

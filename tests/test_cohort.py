@@ -16,7 +16,7 @@ import torch
 from flwr.app import Array, RecordDict
 
 from fakes import run_cfg
-from fedaccel.arrays import DeferredArray
+from fedaccel.arrays import DeferredArray, all_finite, from_numpy, mean_of_records, to_numpy
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients import cohort as cohort_module
@@ -640,10 +640,37 @@ def test_a_model_whose_upload_cannot_be_built_from_the_stack_is_loaded_for_the_d
         return [r.arrays for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)]
 
     built = arrays_of_round()
-    monkeypatch.setattr(cohort_module, "_weight_records", lambda *a: [None] * len(a[-1]))
+    monkeypatch.setattr(cohort_module, "_weight_records", lambda model_state, slots, weights, rows, part, *rest: [None] * len(part))
     loaded = arrays_of_round()
     for x, y in zip(built, loaded):
         assert list(x.keys()) == list(y.keys()) and all(same_array(x[k], y[k]) for k in x.keys())
+
+
+@pytest.mark.parametrize("chunk, on_device", [(None, True), (3, False)], ids=["one-chunk", "chunks"])
+def test_uploads_stay_where_they_trained_only_when_the_cohort_is_one_chunk(chunk, on_device) -> None:
+    """The built uploads are rows of the stacked weights (one stack per
+    parameter, shared by the clients of a chunk): kept where they trained
+    when the whole cohort is one chunk, copied to the host chunk by chunk
+    otherwise (so that several chunks' weights never pile up on a GPU). On a
+    CPU both are the host. Their values are the trained weights either way."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = run_cfg("fedavg", **{"batch-size": 16, "device": device})
+    model = make_model().to(device)
+    datas = [TrainData(x=d.x.to(device), y=d.y.to(device)) for d in clients()]
+    start = state_to_arrays(model)
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start, config=config_for("fedavg", 1),
+                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, data in enumerate(datas)]
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=chunk)
+    uploads = [r.arrays for r in results]
+    stacks = {id(a.__dict__["_rows"]): a.__dict__["_rows"] for record in uploads for a in record.values()}
+    assert len(stacks) == len(list(model.parameters())) * (1 if chunk is None else -(-len(datas) // chunk))
+    assert all(rows.tensor.device.type == (device if on_device else "cpu") for rows in stacks.values())
+    plain = [{k: from_numpy(to_numpy(a).copy()) for k, a in record.items()} for record in uploads]
+    weights = [float(len(d.y)) for d in datas]
+    got, expected = mean_of_records(uploads, weights), mean_of_records(plain, weights)
+    assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
+    assert all(all_finite(a) for record in uploads for a in record.values())
 
 
 def test_solvers_that_read_the_trained_model_upload_it_themselves() -> None:

@@ -69,7 +69,7 @@ from torch.optim.sgd import sgd as functional_sgd  # public: torch.optim.sgd.__a
 
 from flwr.app import ArrayRecord
 
-from fedaccel.arrays import arrays_to_record, deferred_from_numpy, load_into
+from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, load_into
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
@@ -636,6 +636,10 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
+    # the whole cohort in one chunk: its weights were on the device together while
+    # they trained, so the uploads can stay there until the server has used them
+    # (several chunks: each one's uploads leave the device before the next trains)
+    keep_on_device = chunk >= len(jobs)
     begun: list | None = []
     for at in range(0, len(openings), chunk):  # a chunk at a time: its stacked state is what fits
         part_begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings[at:at + chunk]])
@@ -685,7 +689,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             weights, rows, metrics = train_stacked(model, [m for _, m in part], lr, epochs, batch_size)
             if part and alike:
                 part[0][1].solver.cohort_after_steps(model, [m for _, m in part], weights, rows, layer_inputs)
-            uploads = _weight_records(model_state, param_slots, weights, rows, part)
+            uploads = _weight_records(model_state, param_slots, weights, rows, part, keep_on_device)
             for (j, member), row, m, arrays in zip(part, rows, metrics, uploads):
                 # no upload built from the stack (this member's, or a model _weight_records
                 # cannot build one for): load the weights if anything after the steps reads
@@ -700,7 +704,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
 
 
 def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int], weights: list[torch.Tensor],
-                    rows: list[int], part: list[tuple[int, CohortMember]]) -> list[ArrayRecord | None]:
+                    rows: list[int], part: list[tuple[int, CohortMember]],
+                    keep_on_device: bool = False) -> list[ArrayRecord | None]:
     """The reply's ``arrays`` of every member whose solver uploads its trained
     weights as they are and reads no model after the steps
     (:meth:`LocalSolver.upload_is_trained_weights`), built
@@ -709,13 +714,18 @@ def _weight_records(model_state: dict[str, torch.Tensor], param_slots: list[int]
     third of the per-client cost of a batched FedAvg round). None for the
     others, and for everyone when the model's state holds more than its
     parameters (buffers), in another order, or a parameter that is not
-    C-contiguous (whose upload Flower writes in its own order)."""
+    C-contiguous (whose upload Flower writes in its own order).
+    ``keep_on_device``: the uploads are rows of the stacked weights where they
+    are (:class:`fedaccel.arrays.StackedRows`; on a GPU the server's checks and
+    mean then run there), else of one copy of them in host memory."""
     builds = [member.solver.upload_is_trained_weights() for _, member in part]
     if (not any(builds) or list(range(len(model_state))) != param_slots
             or not all(t.is_contiguous() for t in model_state.values())):
         return [None] * len(part)
-    names, stacked = list(model_state), [w.detach().cpu().numpy() for w in weights]  # one copy off a GPU
-    return [arrays_to_record((name, deferred_from_numpy(a[row])) for name, a in zip(names, stacked)) if build else None
+    names = list(model_state)
+    # off a GPU in one copy, or kept there (the server then checks and averages them there)
+    stacks = [StackedRows(w.detach() if keep_on_device else w.detach().cpu()) for w in weights]
+    return [arrays_to_record((name, deferred_row(stack, row)) for name, stack in zip(names, stacks)) if build else None
             for build, row in zip(builds, rows)]
 
 

@@ -59,7 +59,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedaccel.clients.composition import server_update_transforms
-from fedaccel.arrays import config_record, from_numpy, record_dict, records_of, to_numpy, views_reused
+from fedaccel.arrays import all_finite, config_record, from_numpy, record_dict, records_of, to_numpy, views_reused
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
@@ -442,8 +442,7 @@ class FedAccelStrategy:
             return f"num-examples={metrics['num-examples']}"
         for name, record in array_records.items():
             for key, array in record.items():
-                values = to_numpy(array)
-                if values.dtype.kind in "fc" and not np.isfinite(values).all():
+                if not all_finite(array):
                     return f"non-finite values in {name}/{key}"
         return None
 
