@@ -48,7 +48,7 @@ from fedaccel.clients.base import LocalSolver
 from fedaccel.clients.state import ClientState, Layout, split_plan, flat_size, tensor_layout, unflatten
 from fedaccel.config import ConfigError
 from fedaccel.contract import TrainConfig
-from fedaccel.arrays import arrays_to_record, from_numpy, tensors_to_record
+from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, tensors_to_record
 
 T = TypeVar("T")
 
@@ -287,14 +287,16 @@ class DouglasRachfordSolver(LocalSolver):
         xhat_new = reflect(x_new, y)
         g = xhat_new - _stacked_rows(members, 1)
         saved = torch.cat([y, x_new, xhat_new], dim=1)
-        # each reply's Arrays from one CPU copy of every g_i: what
-        # tensors_to_record(unflatten(g_i)) builds, byte for byte
+        # each reply's Arrays are rows of one CPU stack per key of every g_i
+        # (their bytes written only if read): what tensors_to_record(unflatten(g_i))
+        # builds, byte for byte
         keys, sizes, shapes = split_plan(self._layout)
         bounds = np.cumsum([0, *sizes]).tolist()
-        g_all = g.detach().cpu().numpy()
+        g_all = g.detach().cpu()
+        stacks = [StackedRows(g_all[:, bounds[i]:bounds[i + 1]].reshape(len(members), *shape).contiguous())
+                  for i, shape in enumerate(shapes)]
         for c, m in enumerate(members):
-            record = arrays_to_record((key, from_numpy(g_all[c, bounds[i]:bounds[i + 1]].reshape(shape)))
-                                      for i, (key, shape) in enumerate(zip(keys, shapes)))
+            record = arrays_to_record((key, deferred_row(stack, c)) for key, stack in zip(keys, stacks))
             m.solver._formed = (saved[c], record)
 
     def reads_trained_model(self) -> bool:
