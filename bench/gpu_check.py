@@ -7,8 +7,9 @@ own time limit, so that one hang or failure costs only its own step:
 1. ``env``: torch, CUDA, cuDNN, the GPU, and whether TF32 is on (``env.json``);
 2. ``pytest``: the suite's GPU tests (the batched round on ``cuda`` equal to the
    per-client round for FedAvg, SCAFFOLD, FedCDR and FedPM; the written-out
-   backward bit for bit; client state on the GPU) and the rest of the files
-   they live in;
+   backward bit for bit; client state on the GPU; the server's mean of
+   uploads kept on the GPU bit for bit the NumPy loop's) and the rest of the
+   files they live in;
 3. ``equivalence``: how far a batched round is from the per-client round on
    the GPU, measured rather than asserted: the MLP (FedAvg, FedCDR, FedPM) and
    the McMahan CNN through ``vmap`` (FedAvg), with TF32 as PyTorch sets it by
@@ -18,7 +19,8 @@ own time limit, so that one hang or failure costs only its own step:
    the Synthetic MLP's table (bare loop, fast runner one client after another,
    batched) at 100 and 10 clients per round;
 5. ``cnn-1000``: a round of 1,000 McMahan-CNN clients on Fashion-MNIST,
-   batched, beside the bare loop;
+   batched, beside the bare loop, and batched without the local steps (what
+   a round costs besides its arithmetic);
 6. ``overhead-fmnist``: the Fashion-MNIST MLPs and the CNN at 10 per round.
 
 A machine with a GPU often has no internet. ``pack``, run where pip works,
@@ -144,11 +146,11 @@ def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[st
         ("env", [python, __file__, "env", "--out", str(out), "--device", device], 120, False),
         ("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     str(ROOT / "tests" / "test_cohort.py"), str(ROOT / "tests" / "test_client_state.py"),
-                    str(ROOT / "tests" / "test_memory.py")], 240, False),
+                    str(ROOT / "tests" / "test_memory.py"), str(ROOT / "tests" / "test_arrays.py")], 240, False),
         ("equivalence", [python, __file__, "equivalence", "--out", str(out), "--device", device], 180, False),
         ("overhead-100", bench + synthetic + ["--per-round", "100"], 300, False),
         ("overhead-10", bench + synthetic + ["--per-round", "10"], 200, False),
-        ("cnn-1000", bench + ["--workloads", "cnn-fmnist", "--algos", "fedavg", "--modes", "bare", "cohort",
+        ("cnn-1000", bench + ["--workloads", "cnn-fmnist", "--algos", "fedavg", "--modes", "bare", "cohort", "no-steps",
                               "--clients", "1000", "--per-round", "1000", "--rounds", "3"], 300, True),
         ("overhead-fmnist", bench + ["--workloads", "mlp-fmnist", "mlp200-fmnist", "cnn-fmnist", "--algos",
                                      "fedavg", "--modes", "bare", "fast", "cohort", "--rounds", "5"], 300, True),
