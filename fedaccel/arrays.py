@@ -526,6 +526,7 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
 
 
 _DEVICE_MEAN_DTYPES = (torch.float32, torch.float64)
+_ACCUMULATE_ON_DEVICE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
 def _mean_on_device(records: Sequence[Mapping[str, Array | np.ndarray]], scales: list[float],
@@ -555,8 +556,8 @@ def _mean_on_device(records: Sequence[Mapping[str, Array | np.ndarray]], scales:
             if rows.tensor.device != device or (columns[key] and columns[key][0][0].dtype != rows.tensor.dtype):
                 return None
             columns[key].append((rows.tensor, fields["_row"]))
-    accumulate_in = None if dtype is None else torch.from_numpy(np.empty(0, dtype)).dtype
-    if device is None or accumulate_in not in (None, *_DEVICE_MEAN_DTYPES):
+    accumulate_in = None if dtype is None else _ACCUMULATE_ON_DEVICE.get(np.dtype(dtype))
+    if device is None or (dtype is not None and accumulate_in is None):
         return None
     means: dict[str, np.ndarray] = {}
     for key, column in columns.items():

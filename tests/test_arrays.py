@@ -328,6 +328,7 @@ def test_the_device_mean_falls_back_to_numpy_for_anything_else(stacks_on_device,
     ints = [{"w": deferred_row(StackedRows(torch.arange(8).reshape(4, 2)), c)} for c in range(4)]
     for records in (stacked[:2] + plain[2:], ints, [dict(reversed(list(r.items()))) for r in stacked[:1]] + stacked[1:]):
         assert arrays_module._mean_on_device(records, [0.25] * 4, None) is None
+    assert arrays_module._mean_on_device(stacked, [0.25] * 4, np.longdouble) is None  # accumulated on the host
     monkeypatch.setattr(StackedRows, "on_device", property(lambda self: False))
     assert arrays_module._mean_on_device(stacked, [0.25] * 4, None) is None
     got, expected = mean_of_records(stacked, None), mean_of_records(plain, None)
