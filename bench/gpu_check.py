@@ -21,7 +21,9 @@ own time limit, so that one hang or failure costs only its own step:
 5. ``cnn-1000``: a round of 1,000 McMahan-CNN clients on Fashion-MNIST,
    batched, beside the bare loop, and batched without the local steps (what
    a round costs besides its arithmetic);
-6. ``overhead-fmnist``: the Fashion-MNIST MLPs and the CNN at 10 per round.
+6. ``overhead-fmnist``: the Fashion-MNIST MLPs and the CNN at 10 per round;
+7. ``profile-cnn-1000``: the batched 1,000-client round of step 5 under
+   cProfile (``profiled/profiles/``: where its host time goes).
 
 A machine with a GPU often has no internet. ``pack``, run where pip works,
 puts what such a machine lacks into one folder (the kit): wheels of the
@@ -154,6 +156,10 @@ def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[st
                               "--clients", "1000", "--per-round", "1000", "--rounds", "3"], 300, True),
         ("overhead-fmnist", bench + ["--workloads", "mlp-fmnist", "mlp200-fmnist", "cnn-fmnist", "--algos",
                                      "fedavg", "--modes", "bare", "fast", "cohort", "--rounds", "5"], 300, True),
+        ("profile-cnn-1000", [python, str(ROOT / "bench" / "overhead.py"), "--device", device,
+                              "--out", str(out / "profiled"), "--workloads", "cnn-fmnist", "--algos", "fedavg",
+                              "--modes", "cohort", "--clients", "1000", "--per-round", "1000", "--rounds", "3",
+                              "--profile"], 240, True),
     ]
 
 

@@ -45,6 +45,8 @@ global model on the server test set.
     python bench/overhead.py --modes bare fast cohort --device cuda   # the same on a GPU (rows say so)
     python bench/overhead.py --workloads mlp-synthetic --algos fedavg --modes bare cohort no-steps \
         --per-round 100 --repeat 3                            # how much of a batched round is not steps
+    python bench/overhead.py --workloads cnn-fmnist --algos fedavg --modes cohort --clients 1000 \
+        --per-round 1000 --rounds 3 --profile --out /tmp/profiled  # where a round's time goes (cProfile)
 
 Rounds per run: 20 on the MLP workloads, 5 on the CNN (``--rounds`` sets all). With
 ``--repeat N`` the bare and fast runs of a cell alternate N times (bare, fast, bare, fast...)
@@ -361,7 +363,22 @@ def child(args: argparse.Namespace) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     ov = json.loads(args.child_overrides)
     run = {"bare": bare_run, "no-steps": no_steps_run}.get(args.child, fast_run)  # fast and cohort: fast_run
-    out = run(ov, args.clients)
+    if args.child_profile:  # the whole run under cProfile: its timings are inflated, its record says so
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        out = profiler.runcall(run, ov, args.clients)
+        args.child_profile.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.child_profile, "w") as f:
+            f.write(f"# {args.child} {ov.get('run-name')}: cProfile of the whole run "
+                    "(set-up, rounds, evaluation), by cumulative time, then by own time\n")
+            stats = pstats.Stats(profiler, stream=f)
+            stats.sort_stats("cumulative").print_stats(60)
+            stats.sort_stats("tottime").print_stats(40)
+        out["profiled"] = True
+    else:
+        out = run(ov, args.clients)
     out.pop("final", None)
     out["environment"] = _environment(ov.get("device", "cpu"))  # the measuring process's own
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -370,15 +387,16 @@ def child(args: argparse.Namespace) -> None:
 
 def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp: Path,
             env: dict[str, str] | None, per_round: int = 10, cohort_nodes: int = 2,
-            device: str = "cpu") -> dict[str, Any]:
+            device: str = "cpu", profile_dir: Path | None = None) -> dict[str, Any]:
     name = f"{workload}-{algo}-{mode}-{clients}-{per_round}-{device}"
     ov = overrides(workload, algo, rounds, clients, tmp, name, per_round, mode, device)
     start = time.perf_counter()
     if mode in ("ray", "ray-cohort"):
         res = ray_run(ov, clients if mode == "ray" else cohort_nodes, env)
     else:
+        profile = [] if profile_dir is None else ["--child-profile", str(profile_dir / f"{name}-{time.strftime('%H%M%S')}.txt")]
         proc = subprocess.run([sys.executable, __file__, "--child", mode, "--child-overrides", json.dumps(ov),
-                               "--clients", str(clients)], capture_output=True, text=True, timeout=3600)
+                               "--clients", str(clients), *profile], capture_output=True, text=True, timeout=3600)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -391,6 +409,7 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
             "median_round_s": statistics.median(middle), "startup_s": res["wall"] - sum(secs),
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T"),
+            **({"profiled": True} if res.get("profiled") else {}),
             # the measuring child's; the Ray modes': this process's (their workers run on this machine)
             "environment": res.get("environment") or _environment(device)}
 
@@ -466,7 +485,8 @@ def write_table(out: Path) -> None:
         def ratio(m: str) -> str:
             return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
                 if row[m] and row["bare"] else "-"
-        label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "")
+        label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "") + (
+            ", under cProfile" if any(r and r.get("profiled") for r in row.values()) else "")
         lines.append(
             f"| {label} | {a} | {k} | " + " | ".join(f(m, "median_round_s") for m in MODES) + " | "
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
@@ -507,8 +527,13 @@ def main(argv=None) -> int:
                    help="where bare, fast and cohort runs train: cpu (default) or cuda[:N]; their rows are "
                         "labelled with it (the Ray modes run on the CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
+    p.add_argument("--profile", action="store_true",
+                   help="run bare, fast, cohort and no-steps runs under cProfile and write each one's "
+                        "profile to <out>/profiles/ (their timings are inflated; their records say "
+                        "\"profiled\": true)")
     p.add_argument("--child", choices=["bare", "fast", "cohort", "no-steps"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)
+    p.add_argument("--child-profile", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device != "cpu":  # checked here, not in a child's traceback (torch only for a device other than the CPU)
         import torch
@@ -544,7 +569,7 @@ def main(argv=None) -> int:
                             continue
                         rounds = args.rounds or ROUNDS[w]
                         rec = measure(mode, w, a, rounds, n, Path(tmp), env, args.per_round, args.cohort_nodes,
-                                      args.device)
+                                      args.device, args.out / "profiles" if args.profile else None)
                         runs.setdefault(mode, []).append(rec)
                         print(f"[overhead] {i}/{len(groups)} {w} {a} {mode} n={n} per round {args.per_round} "
                               f"run {rep + 1}: "

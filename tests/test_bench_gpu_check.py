@@ -21,12 +21,12 @@ def test_steps_run_in_order_of_worth_and_go_to_the_device_asked_for(tmp_path):
     gpu_check = _gpu_check()
     steps = gpu_check.step_commands(tmp_path, sys.executable, "cuda")
     assert [name for name, *_ in steps] == ["env", "pytest", "equivalence", "overhead-100", "overhead-10",
-                                            "cnn-1000", "overhead-fmnist"]
+                                            "cnn-1000", "overhead-fmnist", "profile-cnn-1000"]
     for name, cmd, limit, needs_fmnist in steps:
         assert 0 < limit <= 300, name
         if "overhead.py" in " ".join(cmd):
             assert cmd[cmd.index("--device") + 1] == "cuda" and "ray" not in cmd, name
-        assert needs_fmnist == (name in ("cnn-1000", "overhead-fmnist")), name
+        assert needs_fmnist == (name in ("cnn-1000", "overhead-fmnist", "profile-cnn-1000")), name
     cnn = dict((name, cmd) for name, cmd, *_ in steps)["cnn-1000"]
     assert cnn[cnn.index("--clients") + 1] == cnn[cnn.index("--per-round") + 1] == "1000"
 

@@ -75,3 +75,21 @@ def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
         np.testing.assert_allclose(three[key], one[key], rtol=1e-6, atol=1e-7, err_msg=key)
     real = final(overhead.fast_run({**ov, "run-name": "real"}, 20))
     assert max(float(np.abs(real[k] - three[k]).max()) for k in real) > 1e-3
+
+
+@pytest.mark.slow  # a real child run (7 s)
+def test_profile_writes_each_runs_profile_and_marks_its_row(tmp_path):
+    """``--profile``: each child run writes its cProfile (by cumulative and by
+    own time) to ``<out>/profiles/``; its record says ``profiled`` and the
+    table labels the row, so inflated timings are never read as a measurement."""
+    overhead = _overhead()
+    assert overhead.main(["--workloads", "mlp-synthetic", "--algos", "fedavg", "--modes", "cohort",
+                          "--clients", "20", "--rounds", "2", "--profile", "--out", str(tmp_path)]) == 0
+    profiles = list((tmp_path / "profiles").iterdir())
+    assert len(profiles) == 1
+    text = profiles[0].read_text()
+    assert "cumulative time" in text and "internal time" in text and "fit_cohort" in text
+    import json
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r.get("profiled") for r in records] == [True]
+    assert "under cProfile" in (tmp_path / "table.md").read_text()
