@@ -646,13 +646,24 @@ def test_a_model_whose_upload_cannot_be_built_from_the_stack_is_loaded_for_the_d
         assert list(x.keys()) == list(y.keys()) and all(same_array(x[k], y[k]) for k in x.keys())
 
 
-@pytest.mark.parametrize("chunk, on_device", [(None, True), (3, False)], ids=["one-chunk", "chunks"])
-def test_uploads_stay_where_they_trained_only_when_the_cohort_is_one_chunk(chunk, on_device) -> None:
+def test_uploads_stay_on_the_device_when_the_cohort_is_one_chunk_or_they_fit_their_room() -> None:
+    keeps = cohort_module.keeps_uploads_on_device
+    assert keeps(chunk=7, clients=7, model_bytes=10**9, upload_room=None)  # one chunk: there anyway
+    assert not keeps(chunk=3, clients=7, model_bytes=100, upload_room=None)  # no room known
+    assert keeps(chunk=3, clients=7, model_bytes=100, upload_room=700)
+    assert not keeps(chunk=3, clients=7, model_bytes=100, upload_room=699)
+
+
+@pytest.mark.parametrize("chunk, room, on_device", [(None, None, True), (3, None, False), (3, 1 << 40, True),
+                                                    (3, 1000, False)],
+                         ids=["one-chunk", "chunks", "chunks-with-room", "chunks-without-room"])
+def test_uploads_stay_where_they_trained_only_when_one_chunk_or_room(chunk, room, on_device) -> None:
     """The built uploads are rows of the stacked weights (one stack per
     parameter, shared by the clients of a chunk): kept where they trained
-    when the whole cohort is one chunk, copied to the host chunk by chunk
-    otherwise (so that several chunks' weights never pile up on a GPU). On a
-    CPU both are the host. Their values are the trained weights either way."""
+    when the whole cohort is one chunk or all its uploads fit the room
+    given, copied to the host chunk by chunk otherwise (so that several
+    chunks' weights never pile up on a GPU beyond it). On a CPU all are the
+    host. Their values are the trained weights either way."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = run_cfg("fedavg", **{"batch-size": 16, "device": device})
     model = make_model().to(device)
@@ -661,7 +672,7 @@ def test_uploads_stay_where_they_trained_only_when_the_cohort_is_one_chunk(chunk
     jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=start, config=config_for("fedavg", 1),
                       state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"))
             for c, data in enumerate(datas)]
-    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=chunk)
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=chunk, upload_room=room)
     uploads = [r.arrays for r in results]
     stacks = {id(a.__dict__["_rows"]): a.__dict__["_rows"] for record in uploads for a in record.values()}
     assert len(stacks) == len(list(model.parameters())) * (1 if chunk is None else -(-len(datas) // chunk))

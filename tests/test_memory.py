@@ -92,3 +92,22 @@ def test_the_cohort_chunk_asks_the_training_datas_device(monkeypatch):
     assert ca.cohort_chunk(rt) > 1000 and asked == [torch.device("cpu")]
     rt.cfg.cohort_chunk = 7
     assert ca.cohort_chunk(rt) == 7 and len(asked) == 1  # an explicit size asks nothing
+
+
+def test_the_upload_room_is_a_quarter_of_the_training_devices_memory_off_the_cpu(monkeypatch):
+    """The round's uploads may stay on a GPU in a quarter of its available
+    memory (beside the quarter a chunk trains in); on the CPU there is no
+    room to reserve (the uploads are host memory anyway) and nothing is asked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import fedaccel.apps.client_app as ca
+
+    asked = []
+    monkeypatch.setattr(ca, "available_bytes_on", lambda device: asked.append(device) or 8 * GIB)
+    assert ca.upload_room(SimpleNamespace(train=SimpleNamespace(x=torch.zeros(5, 6)))) is None and not asked
+    on_meta = SimpleNamespace(train=SimpleNamespace(x=torch.zeros(5, 6, device="meta")))  # a device that is not the CPU
+    assert ca.upload_room(on_meta) == 2 * GIB and asked == [torch.device("meta")]
+    monkeypatch.setattr(ca, "available_bytes_on", lambda device: None)
+    assert ca.upload_room(on_meta) is None

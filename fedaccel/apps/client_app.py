@@ -33,8 +33,8 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
-from fedaccel.clients.cohort import (CohortJob, chunk_size, fallback_reason, fit_cohort, slower_reason,
-                                     unbatchable_error)
+from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fallback_reason, fit_cohort,
+                                     slower_reason, unbatchable_error)
 from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
@@ -302,6 +302,18 @@ def cohort_chunk(rt: ClientRuntime) -> int:
                       available_bytes_on(rt.train.x.device), extra=rt.solver.cohort_bytes(rt.model))
 
 
+def upload_room(rt: ClientRuntime) -> int | None:
+    """The bytes a round's uploads may keep on a GPU until the server has
+    checked and averaged them there: a quarter of its memory available now,
+    beside the quarter a chunk trains in (:func:`cohort_chunk`). None on the
+    CPU, where the uploads are host memory anyway."""
+    device = rt.train.x.device
+    if device.type == "cpu":
+        return None
+    available = available_bytes_on(device)
+    return None if available is None else int(MEMORY_FRACTION * available)
+
+
 def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
     """The ``train`` handler for every client of a round at once, in one process.
 
@@ -335,7 +347,7 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
         where.append(i)
     if jobs:
         results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS,
-                             max_clients=cohort_chunk(shared))
+                             max_clients=cohort_chunk(shared), upload_room=upload_room(shared))
         for i, result in zip(where, results):
             msg, context = items[i]
             replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)

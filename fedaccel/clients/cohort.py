@@ -574,9 +574,20 @@ class Opening:
     received_params: list[torch.Tensor]
 
 
+def keeps_uploads_on_device(chunk: int, clients: int, model_bytes: int, upload_room: int | None) -> bool:
+    """Whether a round's uploads built from the stacked weights stay on the
+    device they trained on until the server has used them: when the whole
+    cohort trains as one chunk (its weights were there together anyway), or
+    when all ``clients`` uploads of ``model_bytes`` fit in ``upload_room``
+    bytes (a share of the device's memory kept for them beside the chunk
+    that trains). Else each chunk's leave the device before the next trains."""
+    return chunk >= clients or (upload_room is not None and clients * model_bytes <= upload_room)
+
+
 def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                errors: tuple[type[BaseException], ...] = (),
-               max_clients: int | None = None) -> list[LocalResult | BaseException]:
+               max_clients: int | None = None,
+               upload_room: int | None = None) -> list[LocalResult | BaseException]:
     """:meth:`LocalSolver.fit` for every job, the local steps batched.
 
     Each job goes through its solver's ``open_round`` and ``close_round``
@@ -593,7 +604,9 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     gradient is its own, so chunking changes memory and, where the machine's batched
     matrix products round by batch size, float32 rounding: docs/cohort-batching.md). An
     exception of a type in ``errors`` raised for one job is returned in its
-    place (that client's error reply); the others go on."""
+    place (that client's error reply); the others go on. ``upload_room``:
+    the bytes the round's built uploads may take on the training device
+    (:func:`keeps_uploads_on_device`)."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
     groups: dict[tuple[float, int], list[tuple[int, CohortMember]]] = {}
     model_state = model.state_dict()
@@ -636,10 +649,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
-    # the whole cohort in one chunk: its weights were on the device together while
-    # they trained, so the uploads can stay there until the server has used them
-    # (several chunks: each one's uploads leave the device before the next trains)
-    keep_on_device = chunk >= len(jobs)
+    keep_on_device = keeps_uploads_on_device(chunk, len(jobs), sum(p.numel() * p.element_size() for p in params),
+                                             upload_room)
     begun: list | None = []
     for at in range(0, len(openings), chunk):  # a chunk at a time: its stacked state is what fits
         part_begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings[at:at + chunk]])
