@@ -394,7 +394,8 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
     if mode in ("ray", "ray-cohort"):
         res = ray_run(ov, clients if mode == "ray" else cohort_nodes, env)
     else:
-        profile = [] if profile_dir is None else ["--child-profile", str(profile_dir / f"{name}-{time.strftime('%H%M%S')}.txt")]
+        profile = ([] if profile_dir is None
+                   else ["--child-profile", str(profile_dir / f"{name}-{time.strftime('%H%M%S')}.txt")])
         proc = subprocess.run([sys.executable, __file__, "--child", mode, "--child-overrides", json.dumps(ov),
                                "--clients", str(clients), *profile], capture_output=True, text=True, timeout=3600)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -209,13 +209,6 @@ def _deferred_values(array: DeferredArray) -> np.ndarray | None:
     return values
 
 
-def _deferred(dtype: str, shape: tuple[int, ...], source: dict[str, object]) -> DeferredArray:
-    """A DeferredArray with Flower's four fields (marked dirty, as its constructor leaves them) and ``source``."""
-    array = DeferredArray.__new__(DeferredArray)
-    array.__dict__.update({"_is_dirty": True, "dtype": dtype, "shape": shape, "stype": NUMPY_STYPE, **source})
-    return array
-
-
 class StackedRows:
     """A tensor ``[C, ...]`` whose rows are C clients' arrays of one name
     (the cohort trainer's stacked weights), kept where it is: the rows'
@@ -280,7 +273,11 @@ def deferred_row(rows: StackedRows, row: int) -> Array:
     dtype = rows.numpy_dtype
     if not _FILL_RECORDS or dtype is None or not rows.tensor.is_contiguous():
         return from_numpy(rows.host()[row, ...])
-    return _deferred(_dtype_name(dtype), tuple(int(s) for s in rows.tensor.shape[1:]), {"_rows": rows, "_row": row})
+    array = DeferredArray.__new__(DeferredArray)  # Flower's four fields, marked dirty as its constructor leaves them
+    array.__dict__.update({"_is_dirty": True, "dtype": _dtype_name(dtype),
+                           "shape": tuple(int(s) for s in rows.tensor.shape[1:]), "stype": NUMPY_STYPE,
+                           "_rows": rows, "_row": row})
+    return array
 
 
 def all_finite(array: Array) -> bool:
@@ -525,8 +522,8 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
     return acc
 
 
-_DEVICE_MEAN_DTYPES = (torch.float32, torch.float64)
 _ACCUMULATE_ON_DEVICE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+_DEVICE_MEAN_DTYPES = tuple(_ACCUMULATE_ON_DEVICE.values())  # IEEE products and sums, as NumPy's
 
 
 def _mean_on_device(records: Sequence[Mapping[str, Array | np.ndarray]], scales: list[float],

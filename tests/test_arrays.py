@@ -261,7 +261,8 @@ def test_all_finite_reads_a_stacks_rows_in_one_pass_and_other_arrays_with_numpy(
     assert rows._finite is not None and rows._host is None  # flags from the stack, no NumPy copy made
     assert [all_finite(from_numpy(stack[r].numpy())) for r in range(5)] == [True, False, True, False, True]
     assert all_finite(deferred_row(StackedRows(torch.zeros(2, 0)), 1))
-    assert all_finite(from_numpy(np.arange(3))) and all_finite(deferred_row(StackedRows(torch.ones(2, 3, dtype=torch.int32)), 0))
+    assert all_finite(from_numpy(np.arange(3)))
+    assert all_finite(deferred_row(StackedRows(torch.ones(2, 3, dtype=torch.int32)), 0))
     replaced = deferred_row(rows, 1)  # data replaced: its own values count, not the stack's flag
     replaced.data = from_numpy(np.zeros(3, np.float32)).data
     assert all_finite(replaced)

@@ -640,7 +640,8 @@ def test_a_model_whose_upload_cannot_be_built_from_the_stack_is_loaded_for_the_d
         return [r.arrays for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)]
 
     built = arrays_of_round()
-    monkeypatch.setattr(cohort_module, "_weight_records", lambda model_state, slots, weights, rows, part, *rest: [None] * len(part))
+    monkeypatch.setattr(cohort_module, "_weight_records",
+                        lambda model_state, slots, weights, rows, part, *rest: [None] * len(part))
     loaded = arrays_of_round()
     for x, y in zip(built, loaded):
         assert list(x.keys()) == list(y.keys()) and all(same_array(x[k], y[k]) for k in x.keys())
