@@ -250,6 +250,39 @@ def test_malformed_reply_is_rejected_not_aggregated(bad, reason, caplog):
     assert reason in caplog.text
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-stacks", "device-stacks"])
+def test_replies_that_are_rows_of_a_stack_are_checked_and_averaged_as_the_plain_ones(on_device, monkeypatch):
+    """Replies whose arrays are rows of the cohort trainer's stacks
+    (``StackedRows``), one row with a NaN: that reply alone is rejected by
+    the stack's per-row flags, and the model is the same bits as from the
+    same replies as plain Arrays, with the mean on the stacks' "device"
+    (forced on the CPU) or in the NumPy loop."""
+    import torch
+
+    from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, from_numpy
+
+    if on_device:
+        monkeypatch.setattr(StackedRows, "on_device", property(lambda self: True))
+    generator = torch.Generator().manual_seed(11)
+
+    def aggregate(stacked: bool):
+        strategy = build("fedavg")
+        msgs = configure(strategy, 1, arrays(w=[0.0, 0.0, 0.0], b=[0.0]))
+        w, b = torch.randn(len(msgs), 3, generator=generator), torch.randn(len(msgs), 1, generator=generator)
+        w[1, 2] = float("nan")
+        rows = {"w": StackedRows(w), "b": StackedRows(b)}
+        records = [arrays_to_record((k, deferred_row(rows[k], c) if stacked else from_numpy(rows[k].tensor[c].numpy()))
+                                    for k in ("w", "b")) for c in range(len(msgs))]
+        new, _ = strategy.aggregate_train(1, [raw_reply(m, r, n=c + 1) for c, (m, r) in enumerate(zip(msgs, records))])
+        assert strategy.rounds[1].rejected == 1 and strategy.rounds[1].replies == len(msgs) - 1
+        return {k: new[k].numpy().tobytes() for k in ("w", "b")}
+
+    state = generator.get_state()
+    plain = aggregate(stacked=False)
+    generator.set_state(state)
+    assert aggregate(stacked=True) == plain
+
+
 def test_zero_examples_reply_is_rejected():
     strategy = build("fedavg")
     msgs = configure(strategy, 1, arrays(w=[0.0]))
