@@ -231,8 +231,9 @@ class StackedRows:
 
     @property
     def on_device(self) -> bool:
-        """Whether the stack lives off the host (a GPU): the mean runs there."""
-        return self.tensor.device.type != "cpu"
+        """Whether the stack lives on a CUDA GPU (the only device besides the
+        CPU that fedaccel trains on): the mean runs there."""
+        return self.tensor.device.type == "cuda"
 
     def host(self) -> np.ndarray:
         """The stack as a read-only NumPy array (no copy of a CPU tensor; one
