@@ -216,16 +216,21 @@ class StackedRows:
     reads their values as NumPy or bytes, and then all rows in one copy.
     The server's reply checks (:func:`all_finite`: one pass over the stack
     for every client) and its mean (:func:`mean_of_records`: on the stack's
-    device, when that is not the CPU) read the stack itself. The tensor must
+    CUDA GPU, when it lives on one) read the stack itself. The tensor must
     not change while its rows' Arrays live. Written by hand: Flower's Arrays
     are bytes in host memory.
     """
 
-    __slots__ = ("tensor", "numpy_dtype", "_host", "_finite")
+    __slots__ = ("tensor", "row_fields", "_host", "_finite")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach()
-        self.numpy_dtype = _numpy_dtype(self.tensor.dtype)
+        dtype = _numpy_dtype(self.tensor.dtype)
+        # every row's Array fields (Flower's four, marked dirty as its constructor
+        # leaves them), or None where rows are Arrays of their own (from_numpy)
+        self.row_fields = None if not _FILL_RECORDS or dtype is None or not self.tensor.is_contiguous() else {
+            "_is_dirty": True, "dtype": _dtype_name(dtype), "shape": tuple(int(s) for s in self.tensor.shape[1:]),
+            "stype": NUMPY_STYPE}
         self._host: np.ndarray | None = None
         self._finite: np.ndarray | None = None
 
@@ -271,13 +276,10 @@ def deferred_row(rows: StackedRows, row: int) -> Array:
     """Row ``row`` of a stack as a :class:`DeferredArray`: the Array
     :func:`from_numpy` builds from ``rows.host()[row]`` (the same fields, the
     same bytes when read), without copying it off the stack's device."""
-    dtype = rows.numpy_dtype
-    if not _FILL_RECORDS or dtype is None or not rows.tensor.is_contiguous():
+    if rows.row_fields is None:
         return from_numpy(rows.host()[row, ...])
-    array = DeferredArray.__new__(DeferredArray)  # Flower's four fields, marked dirty as its constructor leaves them
-    array.__dict__.update({"_is_dirty": True, "dtype": _dtype_name(dtype),
-                           "shape": tuple(int(s) for s in rows.tensor.shape[1:]), "stype": NUMPY_STYPE,
-                           "_rows": rows, "_row": row})
+    array = DeferredArray.__new__(DeferredArray)
+    array.__dict__.update(rows.row_fields, _rows=rows, _row=row)
     return array
 
 

@@ -59,7 +59,7 @@ import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -136,8 +136,12 @@ def bytes_per_client(model: torch.nn.Module, sample: torch.Tensor, batch_size: i
     (counted with ``saved_tensors_hooks``: exact for this model), its logits
     and their gradient, :data:`MODEL_COPIES` model-sized tensors, and
     ``extra`` bytes the solver keeps per client (:meth:`LocalSolver.cohort_bytes`)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return _activation_bytes(model, sample, batch_size) + MODEL_COPIES * params + extra
+    return _activation_bytes(model, sample, batch_size) + MODEL_COPIES * parameter_bytes(model.parameters()) + extra
+
+
+def parameter_bytes(params: Iterable[torch.Tensor]) -> int:
+    """The bytes of one copy of these parameters (one client's model-sized tensor)."""
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 # model -> {(sample shape, dtype, device, batch size, parameter shapes): bytes}
@@ -649,8 +653,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
         member = CohortMember(job.solver, job.data, job.generator, start)
         groups.setdefault((train.lr, train.local_epochs), []).append((j, member))
     chunk = max_clients or len(jobs) or 1
-    keep_on_device = keeps_uploads_on_device(chunk, len(jobs), sum(p.numel() * p.element_size() for p in params),
-                                             upload_room)
+    keep_on_device = keeps_uploads_on_device(chunk, len(jobs), parameter_bytes(params), upload_room)
     begun: list | None = []
     for at in range(0, len(openings), chunk):  # a chunk at a time: its stacked state is what fits
         part_begun = openings[0][1].solver.cohort_begin_round(model, [o for _, o in openings[at:at + chunk]])
