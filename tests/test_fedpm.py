@@ -560,6 +560,14 @@ def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes):
     x = xs[2].to(torch.float64)
     xt = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
     torch.testing.assert_close(got[layers[0]][2], xt.T @ xt / len(x), rtol=rtol, atol=rtol)
+    # `only`: the later layers' matrices alone, the same bits (the first layer's input
+    # is the data, so the trainer's pass at the trained weights reuses that one)
+    later = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=4,
+                              max_bytes=max_bytes, only=layers[1:])
+    assert list(later) == layers[1:] and all(torch.equal(later[n], got[n]) for n in layers[1:])
+    moved = {name: w + 1.0 for name, w in weights.items()}  # other weights: the first layer's matrix stays
+    again = foof.stacked_foof(template.batched_layer_inputs, layers, moved, xs, batch_size=4, max_bytes=max_bytes)
+    assert torch.equal(again[layers[0]], got[layers[0]]) and not torch.equal(again[layers[1]], got[layers[1]])
 
 
 def fedpm_jobs(cfg, model, datas):

@@ -303,7 +303,10 @@ class FedPMSolver(LocalSolver):
     def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
                            rows: list[int], layer_inputs=None) -> None:
         """With ``upload='end'``: the members' FOOF pass at their trained
-        weights, batched; :meth:`end_round` uploads its result."""
+        weights, batched; :meth:`end_round` uploads its result. The first
+        layer's input is the data itself (the chain's input, whatever the
+        weights), so its matrix is the one :meth:`cohort_before_steps` formed
+        from the same rows; only the later layers are formed again."""
         if not self.uploads_preconditioners or self.upload_which != "end":
             return
         layers = self._chain_layers(model, layer_inputs)
@@ -311,9 +314,12 @@ class FedPMSolver(LocalSolver):
             return
         index = torch.tensor(rows, device=weights[0].device)
         trained = {n: w.detach().index_select(0, index) for (n, _), w in zip(model.named_parameters(), weights)}
-        ends = foof.stacked_foof(layer_inputs, layers, trained, [m.solver._x_foof for m in members])
+        first, later = layers[0], layers[1:]
+        ends = (foof.stacked_foof(layer_inputs, layers, trained, [m.solver._x_foof for m in members], only=later)
+                if later else {})
         for c, m in enumerate(members):
-            m.solver._end_matrices = OrderedDict((name, ends[name][c]) for name in layers)
+            m.solver._end_matrices = OrderedDict(
+                (name, m.solver.used[first] if name == first else ends[name][c]) for name in layers)
 
     def reads_trained_model(self) -> bool:
         """The weights are uploaded as they are (no ``upload`` of its own);

@@ -36,7 +36,7 @@ project's models have none.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 import math
 from functools import lru_cache
 
@@ -124,7 +124,8 @@ def compute_foof(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> Or
 @torch.no_grad()
 def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor], list[torch.Tensor]],
                  layers: list[str], weights: dict[str, torch.Tensor], xs: list[torch.Tensor],
-                 batch_size: int = 128, max_bytes: int = 64 << 20) -> OrderedDict[str, torch.Tensor]:
+                 batch_size: int = 128, max_bytes: int = 64 << 20,
+                 only: Collection[str] | None = None) -> OrderedDict[str, torch.Tensor]:
     """:func:`compute_foof` of C clients at once: client ``c``'s model has the
     weights ``weights[name][c]`` (stacked by parameter name), its inputs are
     ``xs[c]``; returns each layer's ``A`` stacked, ``[C, d, d]`` float64.
@@ -133,7 +134,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     (:class:`fedaccel.models.nets.LinearChain`): ``layer_inputs(p, x)`` (its
     ``batched_layer_inputs``) gives every layer's input feature-major,
     ``[N, features, B]`` for N models' weights ``p`` and inputs ``x``
-    ``[N, B, ...]``, in the order of ``layers``.
+    ``[N, B, ...]``, in the order of ``layers``; the first is ``x`` itself,
+    flattened (so the first layer's matrix does not depend on the weights).
 
     The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
     ``batch_size`` (its last chunk padded with zero rows, which add nothing),
@@ -145,8 +147,9 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     ones, gives the row sums and the row count) so that no copy of a layer's
     input with a column of ones is made. Equal to :func:`compute_foof` to
     the model dtype's rounding (the batched layers sum in another order),
-    not bit for bit. Written here because no library forms per-client
-    Gram matrices of a ragged batch."""
+    not bit for bit. ``only``: form these layers' matrices alone (the
+    others' inputs are still computed: later layers need them). Written here
+    because no library forms per-client Gram matrices of a ragged batch."""
     if not xs:
         return OrderedDict()
     counts = np.array([int(x.shape[0]) for x in xs])
@@ -169,7 +172,9 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     per_chunk = (batch_size * (int(x_all[0].numel()) + 2 * sum(dims)) * size
                  + sum(d * d for d in dims) * (size + 8) + sum(int(w[0].numel()) for w in weights.values()) * size)
     step = max(1, max_bytes // per_chunk)
-    sums = [torch.zeros(len(xs), d + 1, d + 1, dtype=torch.float64, device=device) for d in dims]
+    wanted = [only is None or name in only for name in layers]
+    sums = [torch.zeros(len(xs), d + 1, d + 1, dtype=torch.float64, device=device) if want else None
+            for d, want in zip(dims, wanted)]
     for begin in range(0, len(owner), step):
         end = min(begin + step, len(owner))
         chunk_owner = owner_t[begin:end]
@@ -184,6 +189,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
         p = {k: v.index_select(0, chunk_owner) for k, v in weights.items()}
         inputs = layer_inputs(p, x.view((end - begin, batch_size) + x_all.shape[1:]))
         for i, (a, d) in enumerate(zip(inputs, dims)):
+            if not wanted[i]:
+                continue
             if i:  # a padded row's input to a later layer is not zero (the biases)
                 a = a * mask_t[begin:end]
             full = torch.empty(end - begin, d + 1, d + 1, dtype=torch.float64, device=device)
@@ -194,7 +201,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             for at, owners in by_position:  # a client's chunks in order; no client twice in one add
                 sums[i].index_copy_(0, owners, sums[i].index_select(0, owners) + full.index_select(0, at))
     divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
-    return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums))
+    return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums) if s is not None)
 
 
 # ------------------------------------------------- weight matrix views

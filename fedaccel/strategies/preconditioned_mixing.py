@@ -65,6 +65,16 @@ def layer_matrix(arrays: Mapping[str, np.ndarray], layer: str) -> tuple[torch.Te
     return mat, keys
 
 
+def group_matrices(group: Sequence[Mapping[str, np.ndarray]], keys: list[str], rows: int) -> torch.Tensor:
+    """:func:`layer_matrix` of every client of ``group`` (``keys``: the layer's
+    weight and bias), stacked ``[G, rows, cols]`` in float64 from one copy of
+    each key's arrays; row ``i`` holds client ``i``'s values in
+    :func:`layer_matrix`'s layout."""
+    parts = [torch.from_numpy(np.stack([np.asarray(arrays[key]) for arrays in group]).astype(np.float64, copy=False))
+             .reshape(len(group), rows, -1) for key in keys]
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def preconditioned_mix(
     clients: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]],
     damping: float,
@@ -110,9 +120,8 @@ def preconditioned_mix(
             m = foof.unpack_upper_stacked(packed, d) + eye  # [G, d, d]
             scale = torch.tensor(weights[begin:begin + group], dtype=torch.float64)[:, None, None]
             scaled_m = scale * m  # p * m_i, elementwise
-            r = torch.stack([m_i @ w_i.reshape(-1) if full else w_i @ m_i
-                             for (arrays, _, _), m_i in zip(part, m)
-                             for w_i in [layer_matrix(arrays, layer)[0]]])
+            w = group_matrices([arrays for arrays, _, _ in part], keys, rows)  # [G, rows, cols]
+            r = torch.stack([m_i @ w_i.reshape(-1) if full else w_i @ m_i for w_i, m_i in zip(w, m)])
             scaled_r = scale[:, :, 0] * r if full else scale * r
             for i in range(len(part)):
                 m_sum = scaled_m[i] if m_sum is None else m_sum + scaled_m[i]
