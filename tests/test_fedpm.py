@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from flwr.app import Array, ArrayRecord
 from torch import nn
 
+from fedaccel.arrays import DeferredArray
 from fedaccel.clients import foof
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.fedpm import PRECOND_KEY, FedPMSolver, LocalNewtonSolver, logreg_hessian, with_bias_column
@@ -598,8 +599,24 @@ def test_a_batched_fedpm_round_makes_no_per_client_foof_pass(monkeypatch, upload
     cfg = run_cfg(algo="fedpm", **{"batch-size": 4, "fedpm.upload": upload})
     torch.manual_seed(0)
     datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
-    results = fit_cohort(build_model("mlp", (6,), 3), fedpm_jobs(cfg, build_model("mlp", (6,), 3), datas), 4)
+    jobs = fedpm_jobs(cfg, build_model("mlp", (6,), 3), datas)
+    shown = []  # each client's matrices as the per-client upload would pack them
+    real_end = FedPMSolver.end_round
+
+    def end_round(self, model, state):
+        matrices = self.used if self.upload_which == "used" else self._end_matrices
+        shown.append(self._precond_record(matrices, torch.float32)[PRECOND_KEY])
+        return real_end(self, model, state)
+    monkeypatch.setattr(FedPMSolver, "end_round", end_round)
+    results = fit_cohort(build_model("mlp", (6,), 3), jobs, 4)
+    monkeypatch.setattr(FedPMSolver, "end_round", real_end)
     assert all(PRECOND_KEY in r.extra for r in results)
+    # the uploads are rows of one packed stack per layer, byte for byte the per-client packing
+    for r, want in zip(results, shown):
+        got = r.extra[PRECOND_KEY]
+        assert list(got.keys()) == list(want.keys()) and all(type(got[k]) is DeferredArray for k in got.keys())
+        assert all((got[k].dtype, got[k].shape, got[k].data) == (want[k].dtype, want[k].shape, want[k].data)
+                   for k in got.keys())
     assert calls == []
     assert stacked == ([3, 3] if upload == "end" else [3])
     cnn = build_model("cnn-small", (1, 8, 8), 3)

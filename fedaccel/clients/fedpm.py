@@ -93,7 +93,7 @@ from flwr.app import ArrayRecord
 from fedaccel.clients import foof
 from fedaccel.clients.base import LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
-from fedaccel.arrays import tensors_to_record
+from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, tensors_to_record
 from fedaccel.config import config_error, require
 from fedaccel.contract import NO_EXTRAS, MessageContract, TrainConfig
 from fedaccel.runtime import model_name
@@ -288,6 +288,7 @@ class FedPMSolver(LocalSolver):
             factor, info = foof.damped_cholesky_ex(used[name], self.damping)
             factors[name], infos[name] = factor.to(self.layers[name].weight.dtype), info.tolist()
             del factor  # the float64 factor: only the layer's dtype is kept
+        packed = self._packed_rows(used, next(model.parameters()).dtype)
         problems: list[BaseException | None] = []
         for c, m in enumerate(members):
             bad = [name for name in layers if infos[name][c] != 0]
@@ -297,6 +298,8 @@ class FedPMSolver(LocalSolver):
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             m.solver.factors = {name: factors[name][c] for name in layers}
+            m.solver._upload_rows = (OrderedDict((name, (packed[name], c)) for name in layers)
+                                     if packed is not None else None)
             problems.append(None)
         return problems
 
@@ -317,9 +320,21 @@ class FedPMSolver(LocalSolver):
         first, later = layers[0], layers[1:]
         ends = (foof.stacked_foof(layer_inputs, layers, trained, [m.solver._x_foof for m in members], only=later)
                 if later else {})
+        packed = self._packed_rows(ends, next(model.parameters()).dtype)
         for c, m in enumerate(members):
             m.solver._end_matrices = OrderedDict(
                 (name, m.solver.used[first] if name == first else ends[name][c]) for name in layers)
+            if m.solver._upload_rows is not None:  # the first layer's row: the same matrix
+                m.solver._upload_rows.update((name, (packed[name], c)) for name in later)
+
+    def _packed_rows(self, matrices: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, StackedRows] | None:
+        """The cohort's matrices ``[C, d, d]`` per layer as the uploads hold
+        them: each client's upper triangle in ``dtype`` (:meth:`_precond_record`'s
+        values, byte for byte), one CPU stack per layer whose rows are the
+        clients' Arrays (:meth:`end_round`)."""
+        if not self.uploads_preconditioners:
+            return None
+        return {name: StackedRows(foof.pack_upper_stacked(m).to(dtype).cpu()) for name, m in matrices.items()}
 
     def reads_trained_model(self) -> bool:
         """The weights are uploaded as they are (no ``upload`` of its own);
@@ -371,6 +386,7 @@ class FedPMSolver(LocalSolver):
         self.step = 0
         self._newton_preconditioner: torch.Tensor | None = None
         self._end_matrices: OrderedDict[str, torch.Tensor] | None = None
+        self._upload_rows: OrderedDict[str, tuple[StackedRows, int]] | None = None
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
         """:meth:`begin_round` of every opening at once: it reads the model's
@@ -387,7 +403,7 @@ class FedPMSolver(LocalSolver):
         for o in openings:
             solver = o.solver
             solver.layers, solver._layer_params = layers, layer_params  # read only, shared
-            solver.step, solver._newton_preconditioner, solver._end_matrices = 0, None, None
+            solver.step, solver._newton_preconditioner, solver._end_matrices, solver._upload_rows = 0, None, None, None
         return [o.received_params for o in openings]
 
     def make_optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -438,11 +454,14 @@ class FedPMSolver(LocalSolver):
         # the round's matrices are done with after this (a cohort holds many clients' solvers)
         used, x_foof = getattr(self, "used", {}), getattr(self, "_x_foof", None)
         ends = getattr(self, "_end_matrices", None)  # the cohort trainer's batched pass (cohort_after_steps)
-        self._x_foof, self.used, self.factors, self._end_matrices = None, {}, {}, None
+        rows = getattr(self, "_upload_rows", None)  # the cohort trainer's packed uploads
+        self._x_foof, self.used, self.factors, self._end_matrices, self._upload_rows = None, {}, {}, None, None
         if not self.uploads_preconditioners:
             return {}
         if self.mode == "exact":
             return self._precond_record({"fc": self._newton_preconditioner}, next(model.parameters()).dtype)
+        if rows is not None and (self.upload_which == "used" or ends is not None):
+            return {PRECOND_KEY: arrays_to_record((name, deferred_row(stack, c)) for name, (stack, c) in rows.items())}
         # 'used': the matrix of the last local step, no second FOOF pass.
         matrices = (used if self.upload_which == "used"
                     else ends if ends is not None else foof.compute_foof(model, x_foof))

@@ -291,6 +291,12 @@ def pack_upper(a: torch.Tensor) -> torch.Tensor:
     return a.reshape(-1).index_select(0, flat_index)
 
 
+def pack_upper_stacked(a: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_upper` of every matrix of ``a`` ``[C, d, d]``: ``[C, d (d + 1) / 2]``."""
+    flat_index, _ = _upper_triangle(a.shape[-1], a.device)
+    return a.reshape(a.shape[0], -1).index_select(1, flat_index)
+
+
 def unpack_upper_stacked(values: torch.Tensor, d: int) -> torch.Tensor:
     """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``: ``[C, d, d]``."""
     flat_index, mask = _upper_triangle(d, values.device)
