@@ -135,6 +135,24 @@ def assert_same_round(a, b) -> None:
                                            atol=ATOL, rtol=RTOL, msg=f"client {c} {name}.{key}")
 
 
+def test_every_local_solver_the_trainer_batches_has_an_equivalence_case() -> None:
+    """A new algorithm whose client solver batches gets a case in BATCHABLE
+    (its own rule, checked against the per-client round below), not a pass
+    by default; algorithms that share a solver class (FedAdam and FedAvgM
+    train as FedAvg does) share its case."""
+    from fedaccel.registry import algorithm_names
+
+    covered = {get_algorithm(algo).solver for _, algo, _ in BATCHABLE}
+    model = make_model()
+    missing = []
+    for name in algorithm_names():
+        cfg = run_cfg(name)
+        solver = get_algorithm(name).solver
+        if fallback_reason(solver(cfg), cfg, model, augment=False) is None and solver not in covered:
+            missing.append(f"{name} ({solver.__name__})")
+    assert not missing, f"batched, with no case in BATCHABLE: {missing}"
+
+
 @pytest.mark.parametrize("algo, changes", [case[1:] for case in BATCHABLE], ids=[case[0] for case in BATCHABLE])
 def test_a_batched_round_equals_the_per_client_round(algo: str, changes: dict) -> None:
     """Two rounds, so state written in round 1 is read in round 2."""
