@@ -656,6 +656,63 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
         fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
 
 
+@pytest.mark.parametrize("upload", ["used", "end"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_uploads_are_each_clients_packing_across_chunks_and_a_failed_client(monkeypatch, upload, dtype):
+    """The batched uploads are rows of per-chunk packed stacks; with a client
+    of a chunk failing before its steps (so its stack has a row nobody
+    uploads) and a three-layer chain, each reply still holds, byte for byte,
+    what packing its own matrices gives (the matrix it stepped with, or the
+    one at its trained weights); a subclass that packs its own way gets its
+    own packing."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    real = foof.damped_cholesky_ex
+
+    def client_1_fails(a, damping):  # the second client of the first chunk
+        factor, info = real(a, damping)
+        if a.dim() == 3 and a.shape[0] == 3:
+            info = info.clone()
+            info[1] = 2
+        return factor, info
+    monkeypatch.setattr(foof, "damped_cholesky_ex", client_1_fails)
+    shown = {}  # each client's own packing of the matrices it uploads
+    real_end = FedPMSolver.end_round
+
+    def end_round(self, model, state):
+        matrices = self.used if self.upload_which == "used" else self._end_matrices
+        shown[id(self)] = self._precond_record(matrices, dtype)[PRECOND_KEY]
+        return real_end(self, model, state)
+    monkeypatch.setattr(FedPMSolver, "end_round", end_round)
+
+    class Half(FedPMSolver):  # packs its uploads in float16
+        def _precond_record(self, matrices, dtype):
+            return super()._precond_record(matrices, torch.float16)
+
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4, "fedpm.upload": upload})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6, dtype=dtype), torch.randint(0, 3, (n,))) for n in (5, 12, 3, 9, 2)]
+    model = build_model("mlp200", (6,), 3).to(dtype)  # three preconditioned layers
+    for solver_type in (FedPMSolver, Half):
+        jobs = fedpm_jobs(cfg, model, datas)
+        for job in jobs:
+            job.solver.__class__ = solver_type
+        results = fit_cohort(copy.deepcopy(model), jobs, 4, errors=(ValueError,), max_clients=3)
+        assert isinstance(results[1], ValueError)
+        for job, r in zip(jobs, results):
+            if isinstance(r, BaseException):
+                continue
+            got, want = r.extra[PRECOND_KEY], shown[id(job.solver)]
+            assert list(got.keys()) == list(want.keys()) == ["fc1", "fc2", "fc"]
+            assert all(type(got[k]) is (DeferredArray if solver_type is FedPMSolver else Array)
+                       for k in got.keys())
+            assert all((got[k].dtype, got[k].shape, got[k].data) == (want[k].dtype, want[k].shape, want[k].data)
+                       for k in got.keys())
+        if solver_type is Half:
+            assert all(r.extra[PRECOND_KEY]["fc"].dtype == "float16" for r in results if not isinstance(r, Exception))
+
+
 def client_by_client_mix(clients, damping):
     """The mixing of eq. (12)/(10) written client by client, for one layer
     ``l`` (FOOF or full) and the weighted mean of the rest."""

@@ -288,7 +288,10 @@ class FedPMSolver(LocalSolver):
             factor, info = foof.damped_cholesky_ex(used[name], self.damping)
             factors[name], infos[name] = factor.to(self.layers[name].weight.dtype), info.tolist()
             del factor  # the float64 factor: only the layer's dtype is kept
-        packed = self._packed_rows(used, next(model.parameters()).dtype)
+        # with upload='end' only the first layer's matrix is uploaded as it is here
+        packed = self._packed_rows({name: used[name] for name in (layers if self.upload_which == "used"
+                                                                  else layers[:1])},
+                                   next(model.parameters()).dtype)
         problems: list[BaseException | None] = []
         for c, m in enumerate(members):
             bad = [name for name in layers if infos[name][c] != 0]
@@ -298,7 +301,7 @@ class FedPMSolver(LocalSolver):
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             m.solver.factors = {name: factors[name][c] for name in layers}
-            m.solver._upload_rows = (OrderedDict((name, (packed[name], c)) for name in layers)
+            m.solver._upload_rows = (OrderedDict((name, (stack, c)) for name, stack in packed.items())
                                      if packed is not None else None)
             problems.append(None)
         return problems
@@ -324,15 +327,19 @@ class FedPMSolver(LocalSolver):
         for c, m in enumerate(members):
             m.solver._end_matrices = OrderedDict(
                 (name, m.solver.used[first] if name == first else ends[name][c]) for name in layers)
-            if m.solver._upload_rows is not None:  # the first layer's row: the same matrix
+            if packed is not None and m.solver._upload_rows is not None:  # the first layer's row: as before
                 m.solver._upload_rows.update((name, (packed[name], c)) for name in later)
 
     def _packed_rows(self, matrices: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, StackedRows] | None:
         """The cohort's matrices ``[C, d, d]`` per layer as the uploads hold
         them: each client's upper triangle in ``dtype`` (:meth:`_precond_record`'s
         values, byte for byte), one CPU stack per layer whose rows are the
-        clients' Arrays (:meth:`end_round`)."""
-        if not self.uploads_preconditioners:
+        clients' Arrays (:meth:`end_round`). None for a subclass that packs
+        its uploads or forms its end-of-round matrices its own way (it gets
+        :meth:`_precond_record` of its matrices, client by client)."""
+        if not self.uploads_preconditioners or any(
+                getattr(type(self), hook) is not getattr(FedPMSolver, hook)
+                for hook in ("_precond_record", "cohort_after_steps")):
             return None
         return {name: StackedRows(foof.pack_upper_stacked(m).to(dtype).cpu()) for name, m in matrices.items()}
 
