@@ -493,6 +493,18 @@ def write_table(out: Path) -> None:
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
             + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
+    order = lambda key: (key[3] != 100, key[3], key[5] != "cpu", key[5], list(WORKLOADS).index(key[0]),  # noqa: E731
+                         ALGOS.index(key[1]), key[4], MODES.index(key[2]))  # the main table's order
+    repeated = [(key, cells[key]) for key in sorted(cells, key=order) if len(cells[key].get("run_medians", ())) > 1]
+    if repeated:  # a cell's median hides how far its runs were apart on a shared machine
+        lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
+                  "order run, and the slowest over the fastest.", "",
+                  "| workload | algo | per round | mode | runs s/round | slowest / fastest |", "|---|---|---:|---|---|---:|"]
+        for (w, a, m, n, k, d), r in repeated:
+            runs = r["run_medians"]
+            label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "")
+            lines.append(f"| {label} | {a} | {k} | {m} | {', '.join(f'{x:.3f}' for x in runs)} | "
+                         f"{max(runs) / min(runs):.2f} |")
     evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}
     if evals:
         lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "

@@ -93,3 +93,22 @@ def test_profile_writes_each_runs_profile_and_marks_its_row(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r.get("profiled") for r in records] == [True]
     assert "under cProfile" in (tmp_path / "table.md").read_text()
+
+
+def test_the_table_shows_each_runs_median_of_a_repeated_cell(tmp_path):
+    """With ``--repeat`` a cell's median of medians hides its spread: the
+    table lists every run's median and the slowest over the fastest."""
+    import json
+
+    overhead = _overhead()
+    base = {"workload": "mlp-synthetic", "algo": "fedpm", "clients": 100, "per_round": 100, "rounds": 20,
+            "device": "cpu", "startup_s": 3.0, "peak_rss_mb": 400.0, "round_seconds": [], "wall_s": 1.0}
+    runs = [dict(base, mode="cohort", median_round_s=s) for s in (0.135, 0.101, 0.131)]
+    combined = overhead.combine_runs(runs)
+    single = dict(base, mode="bare", median_round_s=0.7)
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (combined, single)) + "\n")
+    overhead.write_table(tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert combined["median_round_s"] == 0.131
+    assert "| mlp-synthetic | fedpm | 100 | cohort | 0.135, 0.101, 0.131 | 1.34 |" in table
+    assert "| bare |" not in table.split("Each run of the cells")[1]  # measured once: no spread row
