@@ -155,7 +155,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
-    from fedaccel.apps.client_app import app as client_app, cohort_fallback, prepare_clients, train_cohort
+    from fedaccel.apps.client_app import app as client_app, cohort_fallback, cohort_note, prepare_clients, train_cohort
     from fedaccel.clients.state import claim_state_run_dir, remove_orphaned_state_dirs, state_run_dir
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
@@ -174,7 +174,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
         claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
-        grid.cohort_trainer = choose_cohort_trainer(cfg, grid, cohort_fallback, train_cohort, quiet)
+        grid.cohort_trainer = choose_cohort_trainer(cfg, grid, cohort_fallback, train_cohort, quiet, cohort_note)
         context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: quiet},
                           state=RecordDict(), run_config=run_config)
         grid.serve(server_app, context)
@@ -187,24 +187,28 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
 
 
 def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer: Callable,
-                          quiet: bool) -> Callable | None:
+                          quiet: bool, batched_note: Callable | None = None) -> Callable | None:
     """``trainer`` (a round's clients as one batched model) when
     ``cohort-batching`` allows and the run can be batched, else None (one
     client after another, announced the same way). Says which on stderr
     when the first round trains, unless ``quiet`` (a run that stops before,
-    e.g. on an unwritable results-dir, prints only its one error line);
+    e.g. on an unwritable results-dir, prints only its one error line),
+    with what a batched run still does client by client (``batched_note``);
     ``cohort-batching='on'`` with a reason against is a :class:`ConfigError`."""
     from fedaccel.clients.cohort import unbatchable_error
     from fedaccel.errors import USER_ERRORS
 
+    context = next(iter(grid.contexts.values()))
     try:
-        reason = fallback(next(iter(grid.contexts.values())))
+        reason = fallback(context)
+        part = None if reason or batched_note is None else batched_note(context)
     except USER_ERRORS:
-        reason = None  # bad data or node config: the first round reports it, batched or not
+        reason = part = None  # bad data or node config: the first round reports it, batched or not
     if reason and cfg.cohort_batching == "on":
         raise unbatchable_error(reason)
     note = (f"fedaccel: clients train one after another ({reason})" if reason else
-            "fedaccel: each round's clients train as one batched model (cohort-batching)")
+            "fedaccel: each round's clients train as one batched model (cohort-batching)"
+            + (f"; {part}" if part else ""))
     train = (lambda items: [grid.deliver(message) for message, _ in items]) if reason else trainer
     announced = [quiet]
 

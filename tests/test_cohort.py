@@ -867,7 +867,12 @@ def test_auto_does_not_batch_a_cnn_on_a_cpu_but_on_does(tmp_path, capsys) -> Non
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
     assert "one after another (on a CPU this model's batched convolutions" in capsys.readouterr().err
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
-    assert "each round's clients train as one batched model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "each round's clients train as one batched model (cohort-batching)\n" in err
+    # FedPM batched on a CNN: the steps batched, its FOOF matrices client by client, and the line says so
+    run_local(fuse(default_run_config(), {**base, "algo": "fedpm", "cohort-batching": "on"}), num_clients=4)
+    assert ("each round's clients train as one batched model (cohort-batching); fedpm's FOOF matrices are "
+            "formed one client at a time") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("algo, changes", [("fedcdr", {"momentum": 0.9}),

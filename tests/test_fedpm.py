@@ -713,6 +713,29 @@ def test_packed_uploads_are_each_clients_packing_across_chunks_and_a_failed_clie
             assert all(r.extra[PRECOND_KEY]["fc"].dtype == "float16" for r in results if not isinstance(r, Exception))
 
 
+def test_a_batched_run_says_when_its_foof_matrices_are_formed_client_by_client():
+    """The issue's rule: a part the cohort trainer cannot batch is done per
+    client with one line saying why. FedPM's and LocalNewton's FOOF passes
+    are batched for chains of Linear layers only; on a CNN the run's line
+    says they are formed one client at a time; nothing is said where they
+    are batched, or where the whole round trains per client anyway."""
+    from fedaccel.clients.cohort import own_batched
+    from fedaccel.models import build_model
+    from fedaccel.registry import get_algorithm
+
+    def note(algo, name, shape, **changes):
+        model = build_model(name, shape, 3)
+        solver = get_algorithm(algo).solver(run_cfg(algo=algo, **changes))
+        return solver.cohort_note(model, own_batched(model, "batched_layer_inputs"))
+    for algo in ("fedpm", "localnewton"):
+        assert note(algo, "cnn-small", (1, 8, 8)) == (
+            f"{algo}'s FOOF matrices are formed one client at a time: the batched pass covers chains of "
+            "Linear layers with biases (the MLPs, the logistic regression)")
+        assert note(algo, "mlp", (6,)) is None and note(algo, "logreg", (6,)) is None
+    assert note("fedpm", "cnn-small", (1, 8, 8), **{"fedpm.refresh-every": 2}) is None  # per client anyway
+    assert note("fedavg", "cnn-small", (1, 8, 8)) is None
+
+
 def client_by_client_mix(clients, damping):
     """The mixing of eq. (12)/(10) written client by client, for one layer
     ``l`` (FOOF or full) and the weighted mean of the rest."""

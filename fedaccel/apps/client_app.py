@@ -34,7 +34,7 @@ from flwr.common.constant import ErrorCode
 
 from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fallback_reason, fit_cohort,
-                                     slower_reason, unbatchable_error)
+                                     own_batched, slower_reason, unbatchable_error)
 from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
@@ -292,6 +292,13 @@ def cohort_fallback(context: Context) -> str | None:
         slower_reason(rt.model) if rt.cfg.cohort_batching == "auto" else None)
 
 
+def cohort_note(context: Context) -> str | None:
+    """What a batched run of these clients still does one client at a time
+    (one line, for the log), or None."""
+    rt = client_runtime(context)
+    return rt.solver.cohort_note(rt.model, own_batched(rt.model, "batched_layer_inputs"))
+
+
 def cohort_chunk(rt: ClientRuntime) -> int:
     """The most clients of a round that train as one batch: ``cohort-chunk``,
     or (0) as many as fit in a quarter of the memory available now on the
@@ -424,7 +431,9 @@ def _train_slice(items: list[tuple[Message, Context]]) -> tuple[list[Message], s
     if reason is not None and client_runtime(items[0][1]).cfg.cohort_batching == "on":
         raise unbatchable_error(reason)
     if reason is None:
-        return train_cohort(items), "each node trains its clients of a round as one batched model"
+        note = cohort_note(items[0][1])
+        return train_cohort(items), "each node trains its clients of a round as one batched model" + (
+            f" ({note})" if note else "")
     return _each_client(train, items), f"each node trains its clients one after another ({reason})"
 
 

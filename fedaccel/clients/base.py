@@ -32,6 +32,7 @@ goes through momentum and weight decay exactly like the task gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -163,6 +164,13 @@ class LocalSolver:
         the model-sized copies the cohort trainer counts itself (bytes; used
         to size chunks). Default: none."""
         return 0
+
+    def cohort_note(self, model: torch.nn.Module, layer_inputs: Callable | None) -> str | None:
+        """What the cohort trainer still does one client at a time in a
+        batched run of this solver on ``model`` (one line, for the log), or
+        None. ``layer_inputs``: the model's ``batched_layer_inputs``, if it
+        has its own."""
+        return None
 
     def per_client_reason(self) -> str | None:
         """Why this solver's round must train one client at a time, or None

@@ -343,6 +343,16 @@ class FedPMSolver(LocalSolver):
             return None
         return {name: StackedRows(foof.pack_upper_stacked(m).to(dtype).cpu()) for name, m in matrices.items()}
 
+    def cohort_note(self, model: torch.nn.Module, layer_inputs) -> str | None:
+        """Batched, but the FOOF matrices formed one client at a time: a
+        model whose layers are not a chain of ``Linear`` layers with biases
+        and its own batched layer inputs (the CNNs), or a subclass with
+        round hooks of its own."""
+        if self.per_client_reason() is not None or self._chain_layers(model, layer_inputs) is not None:
+            return None
+        return (f"{self.cfg.algo}'s FOOF matrices are formed one client at a time: the batched pass covers "
+                "chains of Linear layers with biases (the MLPs, the logistic regression)")
+
     def reads_trained_model(self) -> bool:
         """The weights are uploaded as they are (no ``upload`` of its own);
         ``end_round`` reads the trained model only for ``upload='end'``
