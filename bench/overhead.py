@@ -495,7 +495,8 @@ def write_table(out: Path) -> None:
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
     order = lambda key: (key[3] != 100, key[3], key[5] != "cpu", key[5], list(WORKLOADS).index(key[0]),  # noqa: E731
                          ALGOS.index(key[1]), key[4], MODES.index(key[2]))  # the main table's order
-    repeated = [(key, cells[key]) for key in sorted(cells, key=order) if len(cells[key].get("run_medians", ())) > 1]
+    known = (key for key in cells if key[0] in WORKLOADS and key[1] in ALGOS and key[2] in MODES)  # as the table
+    repeated = [(key, cells[key]) for key in sorted(known, key=order) if len(cells[key].get("run_medians", ())) > 1]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
                   "order run, and the slowest over the fastest.", "",

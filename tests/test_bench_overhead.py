@@ -106,9 +106,11 @@ def test_the_table_shows_each_runs_median_of_a_repeated_cell(tmp_path):
     runs = [dict(base, mode="cohort", median_round_s=s) for s in (0.135, 0.101, 0.131)]
     combined = overhead.combine_runs(runs)
     single = dict(base, mode="bare", median_round_s=0.7)
-    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (combined, single)) + "\n")
+    retired = dict(combined, workload="a-workload-no-longer-measured")  # old records stay in results.jsonl
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (combined, single, retired)) + "\n")
     overhead.write_table(tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert combined["median_round_s"] == 0.131
     assert "| mlp-synthetic | fedpm | 100 | cohort | 0.135, 0.101, 0.131 | 1.34 |" in table
     assert "| bare |" not in table.split("Each run of the cells")[1]  # measured once: no spread row
+    assert "no-longer-measured" not in table

@@ -735,6 +735,28 @@ def test_a_batched_run_says_when_its_foof_matrices_are_formed_client_by_client()
     assert note("fedpm", "cnn-small", (1, 8, 8), **{"fedpm.refresh-every": 2}) is None  # per client anyway
     assert note("fedavg", "cnn-small", (1, 8, 8)) is None
 
+    class OwnPass(FedPMSolver):  # its own before_steps: FOOF per client on any model, and the line says why
+        def before_steps(self, model, data, generator):
+            super().before_steps(model, data, generator)
+    model = build_model("mlp", (6,), 3)
+    assert OwnPass(run_cfg(algo="fedpm")).cohort_note(model, own_batched(model, "batched_layer_inputs")) == (
+        "fedpm's FOOF matrices are formed one client at a time: OwnPass has round hooks of its own")
+
+
+def test_a_cohort_nodes_line_carries_the_note(monkeypatch):
+    """A cohort node's line for the server's log ends with the same note."""
+    import fedaccel.apps.client_app as client_app
+
+    monkeypatch.setattr(client_app, "cohort_fallback", lambda context: None)
+    monkeypatch.setattr(client_app, "cohort_note", lambda context: "fedpm's FOOF matrices are formed ...")
+    monkeypatch.setattr(client_app, "train_cohort", lambda items: ["replies"])
+    assert client_app._train_slice([("message", "context")]) == (
+        ["replies"], "each node trains its clients of a round as one batched model; "
+                     "fedpm's FOOF matrices are formed ...")
+    monkeypatch.setattr(client_app, "cohort_note", lambda context: None)
+    assert client_app._train_slice([("message", "context")])[1] == (
+        "each node trains its clients of a round as one batched model")
+
 
 def client_by_client_mix(clients, damping):
     """The mixing of eq. (12)/(10) written client by client, for one layer

@@ -433,7 +433,7 @@ def _train_slice(items: list[tuple[Message, Context]]) -> tuple[list[Message], s
     if reason is None:
         note = cohort_note(items[0][1])
         return train_cohort(items), "each node trains its clients of a round as one batched model" + (
-            f" ({note})" if note else "")
+            f"; {note}" if note else "")
     return _each_client(train, items), f"each node trains its clients one after another ({reason})"
 
 

@@ -350,8 +350,9 @@ class FedPMSolver(LocalSolver):
         round hooks of its own."""
         if self.per_client_reason() is not None or self._chain_layers(model, layer_inputs) is not None:
             return None
-        return (f"{self.cfg.algo}'s FOOF matrices are formed one client at a time: the batched pass covers "
-                "chains of Linear layers with biases (the MLPs, the logistic regression)")
+        why = (f"{type(self).__name__} has round hooks of its own" if not self._own_round_hooks() else
+               "the batched pass covers chains of Linear layers with biases (the MLPs, the logistic regression)")
+        return f"{self.cfg.algo}'s FOOF matrices are formed one client at a time: {why}"
 
     def reads_trained_model(self) -> bool:
         """The weights are uploaded as they are (no ``upload`` of its own);
