@@ -474,6 +474,7 @@ def write_table(out: Path) -> None:
     per_rounds = sorted({key[4] for key in cells})
     devices = sorted({key[5] for key in cells}, key=lambda d: (d != "cpu", d))  # CPU rows first
     populations = sorted({key[3] for key in cells}, key=lambda n: (n != 100, n))  # 100 clients first
+    repeated = []  # (row label, algo, per round, mode, each run's median) of cells measured more than once
     for n, d, w, a, k in ((n, d, w, a, k) for n in populations for d in devices for w in WORKLOADS
                           for a in ALGOS for k in per_rounds):
         row = {m: cells.get((w, a, m, n, k, d)) for m in MODES}
@@ -493,17 +494,13 @@ def write_table(out: Path) -> None:
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
             + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
-    order = lambda key: (key[3] != 100, key[3], key[5] != "cpu", key[5], list(WORKLOADS).index(key[0]),  # noqa: E731
-                         ALGOS.index(key[1]), key[4], MODES.index(key[2]))  # the main table's order
-    known = (key for key in cells if key[0] in WORKLOADS and key[1] in ALGOS and key[2] in MODES)  # as the table
-    repeated = [(key, cells[key]) for key in sorted(known, key=order) if len(cells[key].get("run_medians", ())) > 1]
+        repeated += [(label, a, k, m, row[m]["run_medians"]) for m in MODES
+                     if row[m] and len(row[m].get("run_medians", ())) > 1]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
                   "order run, and the slowest over the fastest.", "",
                   "| workload | algo | per round | mode | runs s/round | slowest / fastest |", "|---|---|---:|---|---|---:|"]
-        for (w, a, m, n, k, d), r in repeated:
-            runs = r["run_medians"]
-            label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "")
+        for label, a, k, m, runs in repeated:
             lines.append(f"| {label} | {a} | {k} | {m} | {', '.join(f'{x:.3f}' for x in runs)} | "
                          f"{max(runs) / min(runs):.2f} |")
     evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}

@@ -254,8 +254,12 @@ class FedPMSolver(LocalSolver):
     def _own_round_hooks(cls) -> bool:
         """Whether the hooks the cohort hooks stand in for are FedPM's own (a
         subclass that changes them gets the per-client calls)."""
-        return all(getattr(cls, hook) is getattr(FedPMSolver, hook)
-                   for hook in ("before_steps", "_foof_inputs", "_refresh", "end_round", "upload"))
+        return cls._keeps_hooks("before_steps", "_foof_inputs", "_refresh", "end_round", "upload")
+
+    @classmethod
+    def _keeps_hooks(cls, *hooks: str) -> bool:
+        """Whether this class leaves FedPM's own ``hooks`` as they are."""
+        return all(getattr(cls, hook) is getattr(FedPMSolver, hook) for hook in hooks)
 
     def _chain_layers(self, model: torch.nn.Module, layer_inputs) -> list[str] | None:
         """The preconditioned layers when a batched FOOF pass can compute them
@@ -337,9 +341,7 @@ class FedPMSolver(LocalSolver):
         clients' Arrays (:meth:`end_round`). None for a subclass that packs
         its uploads or forms its end-of-round matrices its own way (it gets
         :meth:`_precond_record` of its matrices, client by client)."""
-        if not self.uploads_preconditioners or any(
-                getattr(type(self), hook) is not getattr(FedPMSolver, hook)
-                for hook in ("_precond_record", "cohort_after_steps")):
+        if not self.uploads_preconditioners or not self._keeps_hooks("_precond_record", "cohort_after_steps"):
             return None
         return {name: StackedRows(foof.pack_upper_stacked(m).to(dtype).cpu()) for name, m in matrices.items()}
 
