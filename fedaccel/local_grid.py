@@ -32,6 +32,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedaccel.checkpoint import (disk_state_files, record_dict_bytes, record_dict_from_bytes,
                                  restore_disk_state_files)
 from fedaccel.client_errors import exception_reply
+from fedaccel.clients.stacked_state import StackedClientStates, StackedStateRecord
 from fedaccel.clients.state import state_run_dir
 from fedaccel.torch_utils import derive_seed
 
@@ -76,13 +77,15 @@ class LocalGrid(Grid):
         self._pending: dict[str, Message] = {}
         self._replies: dict[str, Message] = {}
         self.contexts: dict[int, Context] = {}
+        # every client's state (client-state='context') as rows of one store
+        self.client_states = StackedClientStates(num_clients)
         for pid in range(num_clients):
             node_id = derive_seed(seed, "node", pid) or pid + 1
             self.contexts[node_id] = Context(
                 run_id=run_id,
                 node_id=node_id,
                 node_config={"partition-id": pid, "num-partitions": num_clients},
-                state=RecordDict(),
+                state=StackedStateRecord(self.client_states, pid),
                 run_config=dict(run_config),
             )
 
@@ -130,8 +133,11 @@ class LocalGrid(Grid):
         """Every client's state as files: ``context/<partition>.pb`` (its
         ``context.state``, Flower's protobuf) and ``disk/<path>`` (the files
         of ``client-state='disk'``, relative to this run's state folder)."""
-        files = {f"context/{c.node_config['partition-id']}.pb": record_dict_bytes(c.state)
-                 for c in self.contexts.values() if len(c.state)}
+        files = {}
+        for c in self.contexts.values():
+            saved = c.state.saved() if isinstance(c.state, StackedStateRecord) else c.state
+            if len(saved):
+                files[f"context/{c.node_config['partition-id']}.pb"] = record_dict_bytes(saved)
         files.update(disk_state_files(self._disk_state_dir()))
         return files
 
@@ -139,11 +145,17 @@ class LocalGrid(Grid):
         """Put back what :meth:`client_state_files` saved (replacing any state)."""
         by_partition = {int(c.node_config["partition-id"]): c for c in self.contexts.values()}
         for context in by_partition.values():
-            context.state = RecordDict()
+            if isinstance(context.state, StackedStateRecord):
+                context.state.restore(RecordDict())
+            else:
+                context.state = RecordDict()
         for name, data in files.items():
             if name.startswith("context/"):
-                by_partition[int(name.removeprefix("context/").removesuffix(".pb"))].state = \
-                    record_dict_from_bytes(data)
+                context = by_partition[int(name.removeprefix("context/").removesuffix(".pb"))]
+                if isinstance(context.state, StackedStateRecord):
+                    context.state.restore(record_dict_from_bytes(data))
+                else:
+                    context.state = record_dict_from_bytes(data)
         restore_disk_state_files(self._disk_state_dir(), files)
 
     @property

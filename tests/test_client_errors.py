@@ -279,7 +279,7 @@ def test_a_failed_round_commits_no_client_state(tmp_path, monkeypatch, caplog):
     its new control variate (round 2): nothing is sealed, the server does not
     count the round for it, and the two-sided invariant (server c = mean of the
     clients' c_i) holds after every round (checked by ``run_with_faults``)."""
-    from fedaccel.clients.state import ContextState
+    from fedaccel.clients.state import context_client_state
     from fedaccel.registry import get_algorithm
     from test_state_protocol import run_with_faults
 
@@ -294,7 +294,7 @@ def test_a_failed_round_commits_no_client_state(tmp_path, monkeypatch, caplog):
         rt = real_runtime(context)
         current["pid"] = rt.partition_id
         if rt.partition_id == 1:
-            tags_before.append(ContextState(context.state).versions())
+            tags_before.append(context_client_state(context.state).versions())
         return rt
 
     def end_round(self, model, state):
@@ -317,7 +317,7 @@ def test_a_failed_round_commits_no_client_state(tmp_path, monkeypatch, caplog):
     # the failed round 2 sealed nothing: round 3 started from round 1's state as
     # the latest version (not a pending round 2), then training resumed normally
     assert tags_before == [(0, 0), (0, 1), (1, 1), (1, 3)]
-    store = ContextState(grid.contexts[node_of(grid, 1)].state)
+    store = context_client_state(grid.contexts[node_of(grid, 1)].state)
     assert store.versions() == (3, 4) and strategy.accepted_round[1] == 4
 
 

@@ -18,11 +18,13 @@ import torch
 from flwr.app import Context, RecordDict
 
 import fedaccel.clients.state as state_mod
+from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 from fedaccel.clients.state import (
     AUTO_DISK_BYTES,
     ContextState,
     DiskState,
     choose_backend,
+    context_client_state,
     open_client_state,
     state_run_dir,
 )
@@ -42,13 +44,14 @@ def tensors() -> OrderedDict[str, torch.Tensor]:
 
 
 def stores(tmp_path: Path):
-    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0")}
+    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0"),
+            "stacked": StackedRowState(StackedClientStates(3), 2)}
 
 
 # --------------------------------------------------------------------------- #
 # the stores
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 @pytest.mark.parametrize("device", DEVICES, ids=str)
 def test_round_trip_on_requested_device(tmp_path, kind, device):
     store = stores(tmp_path)[kind]
@@ -62,7 +65,7 @@ def test_round_trip_on_requested_device(tmp_path, kind, device):
         assert torch.equal(got[name].cpu(), t)
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_missing_name_is_none(tmp_path, kind):
     store = stores(tmp_path)[kind]
     assert store.get("dr", CPU) is None
@@ -71,7 +74,7 @@ def test_missing_name_is_none(tmp_path, kind):
     assert store.get("other", CPU) is not None
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_put_copies_and_get_returns_fresh_tensors(tmp_path, kind):
     store = stores(tmp_path)[kind]
     src = tensors()
@@ -85,7 +88,7 @@ def test_put_copies_and_get_returns_fresh_tensors(tmp_path, kind):
     assert torch.equal(store.get("dr", CPU)["fc.bias"], tensors()["fc.bias"])
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_put_overwrites(tmp_path, kind):
     store = stores(tmp_path)[kind]
     store.put("dr", tensors())
@@ -246,8 +249,12 @@ def test_state_survives_rounds_in_both_stores(tmp_path):
     run_folder = state_run_dir(str(state_dir), grid_disk.run.run_id)
     assert sorted(p.name for p in run_folder.iterdir()) == [f"client-{i}" for i in range(6)]
 
-    from_context = {partition_of(c): ContextState(c.state).get("dr", CPU)
+    from_context = {partition_of(c): context_client_state(c.state).get("dr", CPU)
                     for c in grid_ctx.contexts.values()}
+    # the fast runner keeps context state as rows of one stacked store, not in each RecordDict
+    assert all(isinstance(context_client_state(c.state), StackedRowState) and len(c.state) == 0
+               for c in grid_ctx.contexts.values())
+    assert tuple(grid_ctx.client_states.names["dr"].slots[0].shape)[0] == 6
     for c in grid_disk.contexts.values():
         assert not any(k.startswith("fedaccel.") for k in c.state.array_records)
     from_disk = {pid: DiskState(run_folder / f"client-{pid}").get("dr", CPU) for pid in range(6)}
@@ -339,7 +346,7 @@ def test_only_state_folders_of_ended_fast_runner_processes_are_removed(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run-elsewhere", "run-mine", "run-supernode"]
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_flat_state_is_the_same_state_as_the_tensors(tmp_path, kind):
     """``put_flat`` stores exactly what ``put`` stores for the tensors the
     flat vector holds (the same record bytes and layout in a Context), so
@@ -350,8 +357,10 @@ def test_flat_state_is_the_same_state_as_the_tensors(tmp_path, kind):
     src["scale"] = torch.tensor(0.5)  # a 0-d tensor
     layout = tensor_layout(src)
     flat = torch.cat([v.reshape(-1) for v in src.values()])
-    a, b = (ContextState(RecordDict()), ContextState(RecordDict())) if kind == "context" else (
-        DiskState(tmp_path / "a"), DiskState(tmp_path / "b"))
+    a, b = {"context": lambda: (ContextState(RecordDict()), ContextState(RecordDict())),
+            "disk": lambda: (DiskState(tmp_path / "a"), DiskState(tmp_path / "b")),
+            "stacked": lambda: (StackedRowState(StackedClientStates(2), 0),
+                                StackedRowState(StackedClientStates(2), 1))}[kind]()
     a.put("dr", src)
     b.put_flat("dr", flat.clone(), layout)
     if kind == "context":
@@ -366,11 +375,12 @@ def test_flat_state_is_the_same_state_as_the_tensors(tmp_path, kind):
     assert a.get_flat("other", layout, CPU) is None
 
 
-def test_flat_state_of_another_model_is_refused_in_one_line():
+@pytest.mark.parametrize("kind", ["context", "stacked"])
+def test_flat_state_of_another_model_is_refused_in_one_line(tmp_path, kind):
     from fedaccel.clients.state import tensor_layout
     from fedaccel.config import ConfigError
 
-    store = ContextState(RecordDict())
+    store = stores(tmp_path)[kind]
     store.put("dr", {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)})
     wider = {"fc.weight": torch.zeros(3, 3), "fc.bias": torch.zeros(3)}
     with pytest.raises(ConfigError, match=r"not this model's .*entry 0: saved \('fc.weight', 'float32', \(2, 3\)\), "

@@ -951,26 +951,36 @@ def _dr_round_one(cfg, model, datas, states) -> None:
     assert not any(isinstance(r, BaseException) for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size))
 
 
+@pytest.mark.parametrize("store", ["context", "stacked"])
 @pytest.mark.parametrize("algo, changes", [("fedcdr", {"momentum": 0.9, "fedcdr.alpha": 0.7}),
                                            ("feddr", {"feddr.prox-start": "local", "feddr.init": "zeros"})])
-def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit_for_bit(algo, changes) -> None:
+def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit_for_bit(algo, changes, store) -> None:
     """``cohort_begin_round`` sets on every solver what its own ``begin_round``
     sets, to the bit (relaxed ``y_i``, ``xhat_i``, the anchors), and starts each
     client where ``begin_round`` leaves the model (the received model, or its
     own ``x_i`` with ``prox-start='local'``): clients with saved state, one
     whose last reply was not applied (rolled back to the initial state) and
-    clients new to training."""
+    clients new to training. With the fast runner's stacked store
+    (``store='stacked'``) the cohort's states are read in one gather, the
+    same rows each client's own read gives."""
     from fedaccel.clients.cohort import Opening
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
     cfg = run_cfg(algo, **{"batch-size": 16, **changes})
     model, datas = make_model(), clients()
-    states = [ContextState(RecordDict()) for _ in datas]
+    stacked = StackedClientStates(len(datas) + 2)
+    rows = [5, 0, 7, 2, 1, 3, 6]  # the clients' partitions: rows in another order than the cohort's
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(stacked, rows[c])
+              for c in range(len(datas))]
     _dr_round_one(cfg, model, datas[:4], states[:4])  # clients 4..6 have never trained
     with torch.no_grad():  # the server moved
         for p in model.parameters():
             p.add_(0.01 * torch.ones_like(p))
     configs = [dict(config_for(algo, 2), **({"accepted-round": 0} if c == 3 else {})) for c in range(len(datas))]
-    per_client_states = [ContextState(copy.deepcopy(s.record)) for s in states]
+    per_client_states = [ContextState(copy.deepcopy(s.record)) if store == "context"
+                         else ContextState(stacked.record_dict(rows[c])) for c, s in enumerate(states)]
+    gathers = []
+    stacked.gather_latest = lambda *args, real=stacked.gather_latest: gathers.append(args) or real(*args)
     expected = []
     for c, (config, state) in enumerate(zip(configs, per_client_states)):
         solver, scratch = new_solver(cfg, model), copy.deepcopy(model)
@@ -983,6 +993,7 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
                 for solver, config, state in zip(solvers, configs, states)]  # the MLP's state: its parameters
     begun = solvers[0].cohort_begin_round(scratch, openings)
     assert begun is not None
+    assert len(gathers) == (store == "stacked")
     outcomes = [s.versions() for s in states]
     assert outcomes == [s.versions() for s in per_client_states]  # the same commit / roll-back
     for c, ((want, start), got, got_start) in enumerate(zip(expected, solvers, begun)):
@@ -999,6 +1010,28 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     # and the cases differ: a client with saved state, a rolled-back one and a new one
     assert not torch.equal(solvers[0]._xhat_flat, solvers[3]._xhat_flat)
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)
+
+
+def test_a_client_with_another_models_stacked_state_fails_alone_in_a_batched_round() -> None:
+    """In the fast runner's stacked store, a client holding state of another
+    layout than the name's (kept as its own tensors) fails alone with the
+    error its own read gives; the cohort's other states are read one by one."""
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+    from fedaccel.config import ConfigError
+
+    cfg = run_cfg("fedcdr", **{"batch-size": 16})
+    model, datas = make_model(), clients()
+    store = StackedClientStates(len(datas))
+    states = [StackedRowState(store, c) for c in range(len(datas))]
+    _dr_round_one(cfg, model, datas, states)
+    store.write(2, 1, "dr", {"w": torch.zeros(3)})
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                      config=config_for("fedcdr", 2), state=state,
+                      generator=seeded_generator(cfg.seed, 2, c, "train"))
+            for c, (data, state) in enumerate(zip(datas, states))]
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ConfigError,))
+    assert isinstance(results[2], ConfigError) and "not this model's" in str(results[2])
+    assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
 
 
 def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round() -> None:

@@ -30,7 +30,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 
 from fedaccel.clients.douglas_rachford import DouglasRachfordSolver, reflect, relax, server_step
 from fedaccel.clients.base import TrainData
-from fedaccel.clients.state import ContextState
+from fedaccel.clients.state import ContextState, context_client_state
 from fedaccel.config import ConfigError
 from fedaccel.contract import train_config_record
 from fedaccel.run_config import parse_run_config
@@ -313,7 +313,7 @@ def mean_xhat(grid, final, x0) -> tuple[dict[str, np.ndarray], int]:
     total = {k: np.zeros_like(v, dtype=np.float64) for k, v in final.items()}
     trained = 0
     for context in grid.contexts.values():
-        stored = ContextState(context.state).get("dr", CPU)
+        stored = context_client_state(context.state).get("dr", CPU)
         trained += stored is not None
         for k in final:
             total[k] += stored[f"xhat.{k}"].numpy() if stored is not None else x0[k]

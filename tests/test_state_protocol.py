@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
 from fedaccel.apps.client_app import app as client_app, train_cohort
-from fedaccel.clients.state import ContextState, DiskState, VersionedState, state_run_dir
+from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+from fedaccel.clients.state import ContextState, DiskState, VersionedState, context_client_state, state_run_dir
 from fedaccel.run_config import parse_run_config
 from fedaccel.experiment import Experiment, discover_federation
 from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
@@ -45,7 +46,8 @@ CPU = torch.device("cpu")
 # the versioned store
 # --------------------------------------------------------------------------- #
 def stores(tmp_path):
-    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0")}
+    return {"context": ContextState(RecordDict()), "disk": DiskState(tmp_path / "client-0"),
+            "stacked": StackedRowState(StackedClientStates(3), 1)}
 
 
 def value(store: VersionedState) -> float | None:
@@ -62,7 +64,7 @@ def train_round(store: VersionedState, accepted: int, server_round: int, new: fl
     return outcome
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_commit_rollback_and_lost(tmp_path, kind):
     store = stores(tmp_path)[kind]
     assert train_round(store, 0, 3, 1.0) == "kept"  # first round: nothing to resolve
@@ -78,7 +80,7 @@ def test_commit_rollback_and_lost(tmp_path, kind):
     assert store.versions() == (0, 0) and value(store) is None
 
 
-@pytest.mark.parametrize("kind", ["context", "disk"])
+@pytest.mark.parametrize("kind", ["context", "disk", "stacked"])
 def test_no_server_information_commits_the_latest(tmp_path, kind):
     store = stores(tmp_path)[kind]
     train_round(store, 0, 1, 1.0)
@@ -190,7 +192,7 @@ def client_states(grid: FaultyGrid, strategy, name: str, cfg) -> dict[int, dict[
         if cfg.client_state == "disk":
             store: VersionedState = DiskState(state_run_dir(cfg.state_dir, grid.run.run_id) / f"client-{pid}")
         else:
-            store = ContextState(context.state)
+            store = context_client_state(context.state)
         accepted = strategy.accepted_round.get(pid, 0)
         version = effective_version(store, accepted)
         assert not CHECK_VERSIONS or version == accepted, (f"partition {pid}: the server applied its round {accepted}, the "
@@ -318,7 +320,7 @@ def test_without_the_protocol_the_invariant_breaks(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- #
 @settings(max_examples=60, deadline=None)
 @given(events=st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=25),
-       kind=st.sampled_from(["context", "disk"]))
+       kind=st.sampled_from(["context", "disk", "stacked"]))
 def test_client_always_trains_from_the_last_applied_state(tmp_path_factory, events, kind):
     """Rounds 1..n: the client is selected or not, and a selected client's
     reply is applied or not (lost, late, rejected, dropped). Whatever the
@@ -326,7 +328,8 @@ def test_client_always_trains_from_the_last_applied_state(tmp_path_factory, even
     round, and what it holds never runs ahead of the server by more than the
     one pending version."""
     folder = tmp_path_factory.mktemp("prop")
-    store = ContextState(RecordDict()) if kind == "context" else DiskState(folder / "client")
+    store = {"context": lambda: ContextState(RecordDict()), "disk": lambda: DiskState(folder / "client"),
+             "stacked": lambda: StackedRowState(StackedClientStates(2), 1)}[kind]()
     accepted, applied_value = 0, None  # the server's view
     for server_round, (selected, applied) in enumerate(events, start=1):
         if not selected:

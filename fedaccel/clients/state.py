@@ -6,7 +6,9 @@ One interface, two places to keep the tensors:
   Works everywhere Flower keeps a Context: the Ray simulation (in the
   simulation process; the whole Context travels to the Ray worker and back
   with every message), real SuperNodes (in the SuperNode process, lost when it
-  restarts) and the fast runner (in memory).
+  restarts) and the fast runner (in memory; there every client's state is a
+  row of one stacked store per run, ``fedaccel/clients/stacked_state.py``,
+  which a checkpoint saves as these same records).
 - ``disk``: one ``.npz`` file per client and state name under
   ``state-dir/<run id>/<partition id>/``. Only participants' files are read
   or written, memory stays flat however many clients there are, Ray messages
@@ -493,9 +495,18 @@ def choose_backend(mode: str, num_clients: int, bytes_per_client: int) -> str:
     return "disk" if num_clients * versions * bytes_per_client > AUTO_DISK_BYTES else "context"
 
 
+def context_client_state(context_state: RecordDict) -> VersionedState:
+    """The client state a Context's ``state`` holds (``client-state='context'``):
+    in the RecordDict itself (:class:`ContextState`), or, for the fast
+    runner's Contexts, in the row of the run's stacked store the RecordDict
+    names (:class:`fedaccel.clients.stacked_state.StackedStateRecord`)."""
+    opener = getattr(context_state, "stacked_client_state", None)
+    return opener() if opener is not None else ContextState(context_state)
+
+
 def open_client_state(mode: str, state_dir: str, run_id: int, partition_id: int,
                       context_state: RecordDict) -> ClientState:
     """The state store of one client for one run (``mode`` already resolved)."""
     if mode == "disk":
         return DiskState(state_run_dir(state_dir, run_id) / f"client-{partition_id}")
-    return ContextState(context_state)
+    return context_client_state(context_state)
