@@ -1123,17 +1123,25 @@ def test_a_batched_fedpm_run_does_not_depend_on_the_order_its_messages_come_in(t
 @pytest.mark.parametrize("algo, changes", [("fedrkmgc", {"fedrkmgc.variant": "full"}),
                                            ("fedrkmgc", {"fedrkmgc.variant": "km"}),
                                            ("fedrkmgc", {"fedrkmgc.variant": "re"}),
-                                           ("feddyn", {"feddyn.alpha": 0.3})])
+                                           ("feddyn", {"feddyn.alpha": 0.3}),
+                                           ("scaffold", {"weight-decay": 1e-3}),
+                                           ("scaffold", {"momentum": 0.0, "scaffold.cv-update": "option-ii"}),
+                                           ("scaffold", {"momentum": 0.0, "scaffold.cv-update": "option-ii",
+                                                         "precision": "float64"})])
 def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo, changes, monkeypatch) -> None:
-    """FedRKMGC's and FedDyn's batched begin (the received weights as
-    anchor, no model loaded) and their new state formed from the stacked
-    trained weights (``cohort_after_steps``: FedRKMGC's corrections, FedDyn's
-    ``grad_prev``) store, round after round, the state records their
-    per-client ``begin_round`` and ``end_round`` store, byte for byte, and
-    reply the same weights; no client is loaded into the model."""
+    """FedRKMGC's, FedDyn's and SCAFFOLD's batched begin (the received
+    weights as anchor, no model loaded) and their new state formed from the
+    stacked trained weights (``cohort_after_steps``: FedRKMGC's corrections,
+    FedDyn's ``grad_prev``, SCAFFOLD's ``c_i`` and its reply's ``dc``) store,
+    round after round, the state records their per-client ``begin_round``
+    and ``end_round`` store, byte for byte, and reply the same weights and
+    records; no client is loaded into the model."""
     solver_class = type(get_algorithm(algo).solver(run_cfg(algo, **changes)))
     cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
     model, datas = make_model(), clients()
+    if cfg.precision == "float64":
+        model = model.double()
+        datas = [TrainData(x=d.x.double(), y=d.y) for d in datas]
 
     def rounds(states, batched):
         loads = []
@@ -1146,9 +1154,9 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
         for r in (1, 2, 3):
             jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
                               config=config_for(algo, r), state=states[c],
-                              generator=seeded_generator(cfg.seed, r, c, "train"))
+                              generator=seeded_generator(cfg.seed, r, c, "train"), received=received_for(algo, model))
                     for c, data in enumerate(datas) if r > 1 or c < 5]  # clients 5, 6 start in round 2
-            replies.append([res.arrays for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
+            replies.append([(res.arrays, res.extra) for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
         monkeypatch.undo()
         return replies, len(loads)
 
@@ -1158,8 +1166,12 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
     loaded, loads_loaded = rounds(loaded_states, False)
     assert loads_formed == 0 and loads_loaded == 5 + 2 * len(datas)
     for round_formed, round_loaded in zip(formed, loaded):
-        for x, y in zip(round_formed, round_loaded):
+        for (x, x_extra), (y, y_extra) in zip(round_formed, round_loaded):
             assert list(x.keys()) == list(y.keys()) and all(same_array(x[k], y[k]) for k in x.keys())
+            assert list(x_extra) == list(y_extra) and list(x_extra) == (["scaffold.dc"] if algo == "scaffold" else [])
+            for name in x_extra:  # SCAFFOLD's dc: the same Arrays, byte for byte
+                assert list(x_extra[name].keys()) == list(y_extra[name].keys())
+                assert all(x_extra[name][k] == y_extra[name][k] for k in x_extra[name].keys())
     for a, b in zip(formed_states, loaded_states):
         assert list(a.record.keys()) == list(b.record.keys())
         assert all(a.record[k] == b.record[k] for k in a.record.keys())

@@ -156,8 +156,9 @@ class LocalSolver:
         """Work of the members' :meth:`end_round` on their trained weights,
         for a chunk of the cohort at once, before each member's ``close_round``
         (FedPM's FOOF pass with ``upload='end'``): ``weights`` stacked as the
-        cohort trainer holds them, member ``c``'s in row ``rows[c]``; other
-        arguments as :meth:`cohort_before_steps`. Default: nothing."""
+        cohort trainer holds them, member ``c``'s in row ``rows[c]``, and
+        each member's :attr:`local_steps` already set; other arguments as
+        :meth:`cohort_before_steps`. Default: nothing."""
 
     def cohort_bytes(self, model: torch.nn.Module) -> int:
         """Memory this solver keeps per client while a cohort trains, beyond

@@ -702,6 +702,8 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 part.append((j, member))
             weights, rows, metrics = train_stacked(model, [m for _, m in part], lr, epochs, batch_size)
             if part and alike:
+                for (_, member), m in zip(part, metrics):  # as close_round sets it, for the batch's end_round work
+                    member.solver.local_steps = int(m.get("local-steps", 0))
                 part[0][1].solver.cohort_after_steps(model, [m for _, m in part], weights, rows, layer_inputs)
             uploads = _weight_records(model_state, param_slots, weights, rows, part, keep_on_device)
             for (j, member), row, m, arrays in zip(part, rows, metrics, uploads):

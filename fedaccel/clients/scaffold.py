@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from fedaccel.arrays import numpy_to_record, to_numpy
-from fedaccel.clients.base import LocalSolver
+from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
+from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
 from fedaccel.contract import MessageContract, TrainConfig
 
@@ -64,27 +64,52 @@ def control_variate_record(c: Mapping[str, np.ndarray]) -> ArrayRecord:
 
 def received_control_variate(received: Mapping[str, ArrayRecord], model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
     """``c`` for every parameter of ``model``, from the received ``scaffold.c`` record."""
-    record = received[C_RECORD]
+    return control_variate_like(received[C_RECORD], OrderedDict(model.named_parameters()))
+
+
+def control_variate_like(record: ArrayRecord, like: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+    """The tensors of a ``scaffold.c`` record for the parameters ``like``
+    (by name; each on its parameter's device, in its dtype)."""
     return OrderedDict((k, torch.from_numpy(to_numpy(record[k]).copy()).to(device=p.device, dtype=p.dtype))
-                       for k, p in model.named_parameters())
+                       for k, p in like.items())
 
 
-class ScaffoldSolver(LocalSolver):
+class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
     state_copies = 1
     messages = MessageContract(to_client=(C_RECORD,), to_server=(DC_RECORD,))
     accumulators = ("grad_sum",)  # mean-gradient's running sum, per step
 
-    def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
-        self.lr = config.lr
+    def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
+        """The round's ``lr``, the anchor ``x`` (the received parameters), the
+        server's ``c`` (as :meth:`cohort_begin_round` converted it for the
+        cohort, or from this client's record), the saved ``c_i`` (zero at the
+        start), a zero ``grad_sum`` and the correction ``c - c_i``."""
+        self.lr = train.lr
         self.wd = float(self.cfg.weight_decay)
+        self.x = anchor
+        given, self._given_c = getattr(self, "_given_c", None), None
+        self.c = given if given is not None else control_variate_like(self.received[C_RECORD], anchor)
+        self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
+        self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
+        self.correction = [self.c[k] - self.c_i[k] for k in anchor]
+        self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_at_anchor` of every opening (no model loaded), with
+        the server's ``c`` converted once per received record, not per client."""
         params = OrderedDict(model.named_parameters())
-        self.x = OrderedDict((k, p.detach().clone()) for k, p in params.items())
-        self.c = received_control_variate(self.received, model)
-        self.c_i = groups_or_zeros(state, "scaffold", ("c",), self.x)["c"]
-        self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in self.x.items())
-        self.correction = [self.c[k] - self.c_i[k] for k in params]
+        converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
+        for o in openings:
+            record = o.solver.received.get(C_RECORD)
+            if record is not None and id(record) not in converted:
+                try:
+                    converted[id(record)] = control_variate_like(record, params)
+                except Exception:  # noqa: BLE001 - each client's own begin reports it
+                    converted[id(record)] = None
+            o.solver._given_c = converted.get(id(record))
+        return super().cohort_begin_round(model, openings)
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"correction": self.correction, "grad_sum": list(self.grad_sum.values())}
@@ -109,8 +134,52 @@ class ScaffoldSolver(LocalSolver):
         return OrderedDict((k, s / steps) for k, s in self.grad_sum.items())
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
-        new = self.new_control_variate(model)
-        dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
+        formed, self._formed = getattr(self, "_formed", None), None
+        if formed is None:
+            new = self.new_control_variate(model)
+            dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
+        else:  # the cohort trainer's, for the whole batch (cohort_after_steps)
+            new, dc = formed
         state.put("scaffold", flat_groups({"c": new}))
         self.correction, self.grad_sum = [], OrderedDict()
         return {DC_RECORD: dc}
+
+    def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
+                           rows: list[int], layer_inputs=None) -> None:
+        """:meth:`end_round`'s new ``c_i`` (:meth:`new_control_variate`) and
+        ``dc = c_i+ - c_i`` for every member at once, from the stacked
+        trained weights and running sums: elementwise, so the same values as
+        one client at a time; each reply's ``scaffold.dc`` Arrays are rows of
+        one stack per parameter (what ``numpy_to_record`` builds, byte for
+        byte), and ``end_round`` only stores the new ``c_i``."""
+        if type(self).end_round is not ScaffoldSolver.end_round or any(
+                type(m.solver).new_control_variate is not ScaffoldSolver.new_control_variate
+                or m.solver.params.cv_update != self.params.cv_update or m.solver.lr != self.lr for m in members):
+            return
+        solvers = [m.solver for m in members]
+        steps = [s.local_steps for s in solvers]
+        if 0 in steps:  # a client without steps keeps its c_i: one client at a time
+            return
+        index = torch.tensor(rows, device=weights[0].device)
+        news, dcs = OrderedDict(), OrderedDict()
+        for (name, _), w in zip(model.named_parameters(), weights):
+            c_i = torch.stack([s.c_i[name] for s in solvers])
+            shape = (len(solvers),) + (1,) * (c_i.dim() - 1)
+            if self.params.cv_update == "option-ii":
+                # the per-client divisor steps * lr (a Python float), rounded to the tensor's dtype as there
+                scale = torch.tensor([k * self.lr for k in steps], dtype=c_i.dtype, device=c_i.device).view(shape)
+                new = option_ii_control_variate(c_i, self.shared_or_stacked([s.c[name] for s in solvers]),
+                                                self.shared_or_stacked([s.x[name] for s in solvers]),
+                                                w.detach().index_select(0, index), scale, 1.0)
+            else:
+                scale = torch.tensor(steps, dtype=c_i.dtype, device=c_i.device).view(shape)
+                new = torch.stack([s.grad_sum[name] for s in solvers]) / scale
+            news[name] = new
+            dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
+        for c, s in enumerate(solvers):
+            s._formed = (OrderedDict((k, v[c]) for k, v in news.items()),
+                         arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
+
+    def reads_trained_model(self) -> bool:
+        """Not once :meth:`cohort_after_steps` formed the new ``c_i``."""
+        return getattr(self, "_formed", None) is None
