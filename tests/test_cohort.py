@@ -1136,6 +1136,8 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
     round after round, the state records their per-client ``begin_round``
     and ``end_round`` store, byte for byte, and reply the same weights and
     records; no client is loaded into the model."""
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
     solver_class = type(get_algorithm(algo).solver(run_cfg(algo, **changes)))
     cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
     model, datas = make_model(), clients()
@@ -1164,6 +1166,15 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
     loaded_states = [ContextState(RecordDict()) for _ in datas]
     formed, loads_formed = rounds(formed_states, True)
     loaded, loads_loaded = rounds(loaded_states, False)
+    # the fast runner's stacked store (a batched begin reads the cohort's rows in one gather): the same
+    store = StackedClientStates(len(datas) + 1)
+    stacked_states = [StackedRowState(store, p) for p in (6, 0, 4, 1, 7, 2, 3)]
+    stacked, _ = rounds(stacked_states, True)
+    for x, y in zip(stacked, loaded):
+        assert [(list(a.keys()), list(e)) for a, e in x] == [(list(a.keys()), list(e)) for a, e in y]
+        assert all(same_array(a[k], b[k]) for (a, _), (b, _) in zip(x, y) for k in a.keys())
+        assert all(e[n][k] == f[n][k] for (_, e), (_, f) in zip(x, y) for n in e for k in e[n].keys())
+    assert [store.record_dict(s.pid) for s in stacked_states] == [s.record for s in loaded_states]
     assert loads_formed == 0 and loads_loaded == 5 + 2 * len(datas)
     for round_formed, round_loaded in zip(formed, loaded):
         for (x, x_extra), (y, y_extra) in zip(round_formed, round_loaded):

@@ -45,7 +45,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedaccel.clients.base import LocalSolver
-from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+from fedaccel.clients.stacked_state import gathered_states
 from fedaccel.clients.state import ClientState, Layout, split_plan, flat_size, tensor_layout, unflatten
 from fedaccel.config import ConfigError
 from fedaccel.contract import TrainConfig
@@ -126,27 +126,6 @@ def _stacked_rows(members: list, which: int) -> torch.Tensor:
     return torch.stack([m.solver._xhat_flat if which else m.solver._y_flat for m in members])
 
 
-def _gathered_states(openings: list, stored: Layout, device: torch.device) -> list | None:
-    """Every opening's saved ``[y_i | x_i | xhat_i]`` (None: none yet), read
-    for all at once when their states are rows of one stacked store (the
-    fast runner's, :mod:`fedaccel.clients.stacked_state`): the rows
-    ``state.get_flat`` reads, one gather for the cohort. None when they are
-    not, or a client's state is not stacked or not this model's (then each
-    client's is read, and reports its own error)."""
-    first = getattr(openings[0].state, "store", None)
-    if not isinstance(first, StackedClientStates) or any(
-            not isinstance(o.state, StackedRowState) or o.state.store is not first for o in openings):
-        return None
-    try:
-        found = first.gather_latest("dr", [o.state.pid for o in openings], stored, device)
-    except ConfigError:  # state of another model: each client reports it as its own error
-        return None
-    if found is None:
-        return None
-    stack, has = found
-    return [stack[k] if has[k] else None for k in range(len(openings))]
-
-
 class DouglasRachfordSolver(LocalSolver):
     """Inexact-prox DR client; params ``eta``, ``alpha``, ``prox_start``, ``init``.
 
@@ -210,7 +189,7 @@ class DouglasRachfordSolver(LocalSolver):
         initial: dict[int, tuple] = {}  # (y, x, xhat) of a client without saved state, per x0
         begun: list = [None] * len(openings)
         rows, y_rows, x_rows, xhat_rows, server_rows = [], [], [], [], []
-        gathered = _gathered_states(openings, stored, device)
+        gathered = gathered_states([o.state for o in openings], "dr", stored, device)  # fast runner: one read
         for k, o in enumerate(openings):
             try:
                 saved = o.state.get_flat("dr", stored, device) if gathered is None else gathered[k]

@@ -37,7 +37,8 @@ from flwr.app import ArrayRecord
 
 from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
+from fedaccel.clients.stacked_state import gathered_states
+from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout, unflatten
 from fedaccel.contract import MessageContract, TrainConfig
 
 T = TypeVar("T")
@@ -74,6 +75,12 @@ def control_variate_like(record: ArrayRecord, like: Mapping[str, torch.Tensor]) 
                        for k, p in like.items())
 
 
+def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
+    """The layout of the saved ``c_i`` of parameters ``params``: ``c.<name>``
+    for each (what ``state.put('scaffold', flat_groups({'c': ...}))`` stores)."""
+    return tensor_layout(flat_groups({"c": params}))
+
+
 class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
@@ -91,15 +98,28 @@ class ScaffoldSolver(AnchoredSolver):
         self.x = anchor
         given, self._given_c = getattr(self, "_given_c", None), None
         self.c = given if given is not None else control_variate_like(self.received[C_RECORD], anchor)
-        self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
+        saved, self._given_c_i = getattr(self, "_given_c_i", None), None
+        if saved is None:  # read here (else cohort_begin_round read it: (flat c_i or None if none, its layout))
+            self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
+        elif saved[0] is None:
+            self.c_i = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
+        else:
+            self.c_i = OrderedDict(zip(anchor, unflatten(saved[0], saved[1]).values()))
         self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
         self.correction = [self.c[k] - self.c_i[k] for k in anchor]
         self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
         """:meth:`begin_at_anchor` of every opening (no model loaded), with
-        the server's ``c`` converted once per received record, not per client."""
+        the server's ``c`` converted once per received record, not per
+        client, and the clients' saved ``c_i`` read in one gather when the
+        fast runner keeps them stacked."""
         params = OrderedDict(model.named_parameters())
+        # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner)
+        layout = stored_layout(params)
+        saved = gathered_states([o.state for o in openings], "scaffold", layout, next(iter(params.values())).device)
+        for k, o in enumerate(openings):
+            o.solver._given_c_i = None if saved is None else (saved[k], layout)
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
         for o in openings:
             record = o.solver.received.get(C_RECORD)
@@ -138,8 +158,11 @@ class ScaffoldSolver(AnchoredSolver):
         if formed is None:
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
-        else:  # the cohort trainer's, for the whole batch (cohort_after_steps)
-            new, dc = formed
+        else:  # the cohort trainer's, for the whole batch (cohort_after_steps): c_i+ as one flat row
+            flat, layout, dc = formed
+            state.put_flat("scaffold", flat, layout)
+            self.correction, self.grad_sum = [], OrderedDict()
+            return {DC_RECORD: dc}
         state.put("scaffold", flat_groups({"c": new}))
         self.correction, self.grad_sum = [], OrderedDict()
         return {DC_RECORD: dc}
@@ -176,9 +199,10 @@ class ScaffoldSolver(AnchoredSolver):
                 new = torch.stack([s.grad_sum[name] for s in solvers]) / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
+        flat = torch.cat([v.reshape(len(solvers), -1) for v in news.values()], dim=1)  # what put stores, as rows
+        layout = stored_layout(OrderedDict((k, v[0]) for k, v in news.items()))
         for c, s in enumerate(solvers):
-            s._formed = (OrderedDict((k, v[c]) for k, v in news.items()),
-                         arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
+            s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
 
     def reads_trained_model(self) -> bool:
         """Not once :meth:`cohort_after_steps` formed the new ``c_i``."""

@@ -34,8 +34,9 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from fedaccel.arrays import records_of
-from fedaccel.clients.state import (ContextState, Layout, VersionedState, _check_layout, _dtype_name, flat_size,
-                                    tensor_layout, unflatten)
+from fedaccel.clients.state import (ContextState, Layout, VersionedState, _check_layout, flat_size, tensor_layout,
+                                    unflatten)
+from fedaccel.config import ConfigError
 
 EMPTY = -1  # a slot row that holds no version
 
@@ -284,6 +285,27 @@ class StackedRowState(VersionedState):
     def _save_tags(self, committed: int, latest: int) -> None:
         self.store.tags[self.pid] = (committed, latest)
         self.store.tagged[self.pid] = True
+
+
+def gathered_states(states: list, name: str, layout: Layout, device: torch.device) -> list | None:
+    """Each client's latest ``name`` (what ``state.get_flat(name, layout,
+    device)`` reads; None: none saved), read for all of them in one gather
+    when every state is a row of one :class:`StackedClientStates` (the fast
+    runner's). None when they are not, when one client's is kept as its own
+    tensors, or when the saved state is another model's (then each client
+    reads its own, and reports its own error)."""
+    first = getattr(states[0], "store", None) if states else None
+    if not isinstance(first, StackedClientStates) or any(
+            not isinstance(state, StackedRowState) or state.store is not first for state in states):
+        return None
+    try:
+        found = first.gather_latest(name, [state.pid for state in states], layout, device)
+    except ConfigError:
+        return None
+    if found is None:
+        return None
+    stack, has = found
+    return [stack[k] if has[k] else None for k in range(len(states))]
 
 
 class StackedStateRecord(RecordDict):
