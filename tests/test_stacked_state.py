@@ -19,17 +19,18 @@ from fedaccel.config import ConfigError
 
 CPU = torch.device("cpu")
 FLAT = OrderedDict([("w", torch.zeros(2, 3)), ("b", torch.zeros(2))])  # one dtype: a row of the slots
+OTHER = OrderedDict([("w", torch.zeros(3, 2)), ("b", torch.zeros(2))])  # as many values, another layout (model)
 MIXED = OrderedDict([("w", torch.zeros(2)), ("n", torch.zeros((), dtype=torch.int64))])  # its own tensors
 
 
-def state_of(kind: str, value: float, flat: bool) -> OrderedDict[str, torch.Tensor]:
-    like = FLAT if flat else MIXED
+def state_of(kind: str, value: float, flat: bool, like=None) -> OrderedDict[str, torch.Tensor]:
+    like = like if like is not None else FLAT if flat else MIXED
     return OrderedDict((k, torch.full_like(v, value) + torch.arange(v.numel()).reshape(v.shape).to(v.dtype))
                        for k, v in like.items())
 
 
 # one client's operations: (op, argument) on a store
-OPS = st.lists(st.tuples(st.sampled_from(["resolve", "begin", "put", "put_flat", "put_mixed", "seal"]),
+OPS = st.lists(st.tuples(st.sampled_from(["resolve", "begin", "put", "put_flat", "put_other", "put_mixed", "seal"]),
                          st.integers(0, 6)), max_size=30)
 
 
@@ -46,12 +47,25 @@ def apply(store, ops) -> list:
         elif op == "put_flat":
             flat = torch.cat([v.reshape(-1) for v in state_of("s", 10 + arg, flat=True).values()])
             store.put_flat("s", flat, tensor_layout(FLAT))
+        elif op == "put_other":  # the same name, another layout of as many values (whichever came first stacks)
+            store.put("s", state_of("s", 20 + arg, flat=True, like=OTHER))
         elif op == "put_mixed":
             store.put("m", state_of("m", arg, flat=False))
         else:
             store.seal()
         got = store.get("s", CPU), store.get("m", CPU)
-        seen.append((store.versions(), [None if g is None else {k: v.tolist() for k, v in g.items()} for g in got]))
+        seen.append((store.versions(), [None if g is None else [(k, tuple(v.shape), v.tolist()) for k, v in g.items()]
+                                        for g in got]))
+        for like in (FLAT, OTHER):  # the flat read: the values, or the one-line refusal of another layout
+            try:
+                flat = store.get_flat("s", tensor_layout(like), CPU)
+            except ConfigError:
+                seen.append("not this model's")
+                continue
+            seen.append(None if flat is None else flat.tolist())
+            if flat is not None:  # a copy: editing it changes nothing kept
+                flat.add_(1000)
+                assert store.get_flat("s", tensor_layout(like), CPU).tolist() == seen[-1]
     return seen
 
 
@@ -145,13 +159,70 @@ def test_a_context_record_opens_its_row_and_keeps_its_other_records():
     assert torch.equal(context_client_state(fresh).get("s", CPU)["w"], state_of("s", 1.0, flat=True)["w"])
     # a plain RecordDict is ContextState, as before
     assert isinstance(context_client_state(RecordDict()), ContextState)
-    # clearing a client leaves the others
+    # restoring nothing clears a client (its tags included, its own records gone) and leaves the others
     other = StackedRowState(store, 0)
     other.put("s", state_of("s", 2.0, flat=True))
+    state.resolve(0)
+    state.begin(1)
+    state.put("s", state_of("s", 3.0, flat=True))
+    state.seal()
+    assert state.versions() == (0, 1) and store.tagged.tolist() == [False, True]
     record.restore(RecordDict())
-    assert state.get("s", CPU) is None and state.versions() == (0, 0)
+    assert state.get("s", CPU) is None and state.versions() == (0, 0) and len(record) == 0
     assert other.get("s", CPU) is not None
-    assert np.array_equal(store.tagged, [False, False])
+    assert store.tagged.tolist() == [False, False] and store.versions(1) == set()
+
+
+def test_the_fast_runners_restore_clears_every_client_then_loads_the_saved_ones(tmp_path):
+    """A checkpoint's client state replaces all of it: a client without a
+    file in the checkpoint has no state afterwards."""
+    from fedaccel.apps.client_app import app as client_app
+    from fedaccel.local_grid import LocalGrid
+
+    grid = LocalGrid(client_app, {}, num_clients=3)
+    rows = {int(c.node_config["partition-id"]): context_client_state(c.state) for c in grid.contexts.values()}
+    for pid in (0, 2):
+        rows[pid].put("s", state_of("s", pid, flat=True))
+    files = grid.client_state_files()
+    assert sorted(files) == ["context/0.pb", "context/2.pb"]
+    rows[1].put("s", state_of("s", 9, flat=True))
+    del files["context/2.pb"]
+    grid.restore_client_state_files(files)
+    assert rows[0].get("s", CPU) is not None and rows[1].get("s", CPU) is None and rows[2].get("s", CPU) is None
+
+
+def test_a_cohort_is_gathered_only_from_one_store_and_its_own_layout():
+    from fedaccel.clients.stacked_state import gathered_states
+
+    store, elsewhere = StackedClientStates(3), StackedClientStates(3)
+    states = [StackedRowState(store, p) for p in range(3)]
+    for state in states[:2]:
+        state.put("s", state_of("s", 1, flat=True))
+    layout = tensor_layout(FLAT)
+    got = gathered_states(states, "s", layout, CPU)
+    assert [g is None for g in got] == [False, False, True]
+    assert all(torch.equal(g, s.get_flat("s", layout, CPU)) for g, s in zip(got[:2], states))
+    assert gathered_states(states[:2] + [StackedRowState(elsewhere, 2)], "s", layout, CPU) is None
+    assert gathered_states(states[:2] + [ContextState(RecordDict())], "s", layout, CPU) is None
+    # another model's state: no gather; each client's own read refuses it in one line
+    assert gathered_states(states, "s", tensor_layout(OTHER), CPU) is None
+    with pytest.raises(ConfigError, match="not this model's"):
+        states[0].get_flat("s", tensor_layout(OTHER), CPU)
+
+
+def test_a_write_that_fails_leaves_the_row_as_it_was():
+    store = StackedClientStates(2)
+    row, context = StackedRowState(store, 1), ContextState(RecordDict())
+    for state in (row, context):
+        state.put("s", state_of("s", 1, flat=True))
+        state.resolve(0)
+        state.begin(1)
+        with pytest.raises(Exception):
+            state.put("s", OrderedDict([("w", torch.empty(2, 3, device="meta")), ("b", torch.empty(2, device="meta"))]))
+        state.seal()
+    assert row.versions() == context.versions() and store.versions(1) == {0}
+    assert row.get("s", CPU) is None and context.get("s", CPU) is None  # round 1 wrote nothing
+    assert torch.equal(row.read_version(0, "s", CPU)["w"], context.read_version(0, "s", CPU)["w"])
 
 
 def test_without_memory_for_a_slot_the_state_is_kept_as_its_own_tensors(monkeypatch):

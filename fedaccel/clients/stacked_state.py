@@ -49,6 +49,7 @@ class _Slots:
         self.layout, self.dtype = layout, dtype
         self.slots: list[torch.Tensor] = []
         self.version: list[np.ndarray] = []
+        self.out_of_memory = False  # a new slot could not be had: not tried again
 
     def find(self, pid: int, version: int) -> int | None:
         for s, held in enumerate(self.version):
@@ -61,9 +62,12 @@ class _Slots:
         if no memory could be had for one)."""
         s = self.find(pid, EMPTY)
         if s is None:
+            if self.out_of_memory:
+                return None
             try:
                 slot = new_slot(num_clients, flat_size(self.layout), self.dtype)
-            except RuntimeError:  # out of memory for all clients' rows: this state stays its own tensors
+            except RuntimeError:  # out of memory for all clients' rows: such states stay their own tensors
+                self.out_of_memory = True
                 return None
             self.slots.append(slot)
             self.version.append(np.full(num_clients, EMPTY, dtype=np.int64))
@@ -72,9 +76,11 @@ class _Slots:
 
 
 def new_slot(rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros for every client's row: memory the kernel maps page by page, as
-    rows are written, so a slot costs what its written rows hold."""
-    return torch.zeros(rows, size, dtype=dtype)
+    """Room for every client's row, not filled: a large allocation is mapped
+    by the kernel page by page as rows are written, so a slot costs about
+    what its written rows hold (zeros would write all of it at once). A
+    row is read only once a version tag names it, i.e. after it was written."""
+    return torch.empty(rows, size, dtype=dtype)
 
 
 class StackedClientStates:
@@ -117,24 +123,17 @@ class StackedClientStates:
     def write(self, pid: int, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         layout = tensor_layout(tensors)
         slots = self._slots_for(name, layout)
-        row = self._row(slots, pid, version, name) if slots is not None else None
-        if row is None:
-            self._forget(pid, version, name)
-            self.loose.setdefault(pid, {})[(version, name)] = OrderedDict(
-                (k, v.detach().to("cpu", copy=True)) for k, v in tensors.items())
+        if slots is not None and self._write_row(slots, pid, version, name, lambda: torch.cat(
+                [v.detach().reshape(-1).to("cpu") for v in tensors.values()])):
             return
-        if len(tensors) == 1:
-            row.copy_(next(iter(tensors.values())).detach().reshape(-1))
-        else:
-            row.copy_(torch.cat([v.detach().reshape(-1) for v in tensors.values()]))
+        held = OrderedDict((k, v.detach().to("cpu", copy=True)) for k, v in tensors.items())
+        self._forget(pid, version, name)
+        self.loose.setdefault(pid, {})[(version, name)] = held
 
     def write_flat(self, pid: int, version: int, name: str, flat: torch.Tensor, layout: Layout) -> None:
         slots = self._slots_for(name, layout)
-        row = self._row(slots, pid, version, name) if slots is not None else None
-        if row is None:
+        if slots is None or not self._write_row(slots, pid, version, name, lambda: flat.detach().to("cpu")):
             self.write(pid, version, name, unflatten(flat.detach().cpu(), layout))
-            return
-        row.copy_(flat.detach())
 
     def drop(self, pid: int, version: int) -> None:
         for slots in self.names.values():
@@ -232,19 +231,23 @@ class StackedClientStates:
             slots = self.names[name] = _Slots(layout, getattr(torch, dtypes.pop()))
         return slots if slots.layout is layout or slots.layout == layout else None
 
-    def _row(self, slots: _Slots, pid: int, version: int, name: str) -> torch.Tensor | None:
-        """The row that is to hold client ``pid``'s ``version`` of ``name``
-        (None: no slot could be made)."""
+    def _write_row(self, slots: _Slots, pid: int, version: int, name: str, values) -> bool:
+        """Client ``pid``'s ``version`` of ``name`` into a row of ``slots``:
+        ``values()`` (the flat values on the CPU) made first, so that an
+        error leaves the store as it was; False when no slot could be made."""
+        src = values()
         s = slots.find(pid, version)
         if s is None:
             s = slots.free(pid, self.num_clients)
             if s is None:
-                return None
+                return False
+        slots.slots[s][pid].copy_(src)
+        if slots.version[s][pid] != version:  # tagged once its values are in
             loose = self.loose.get(pid)
             if loose:
                 loose.pop((version, name), None)
             slots.version[s][pid] = version
-        return slots.slots[s][pid]
+        return True
 
     def _forget(self, pid: int, version: int, name: str) -> None:
         slots = self.names.get(name)
