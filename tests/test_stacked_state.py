@@ -115,6 +115,13 @@ def test_one_dtype_states_are_rows_of_slots_and_others_their_own_tensors():
     got = a.get("s", CPU)
     got["w"].add_(100)
     assert torch.equal(a.get("s", CPU)["w"], state_of("s", 1.0, flat=True)["w"])
+    # ... and get_flat of a state kept as its own single tensor (another layout than the name's)
+    c = StackedRowState(store, 0)
+    c.put("s", {"v": torch.arange(8.0)})
+    assert (0, "s") in store.loose[0]
+    flat = c.get_flat("s", tensor_layout({"v": torch.zeros(8)}), CPU)
+    flat.add_(100)
+    assert torch.equal(c.get_flat("s", tensor_layout({"v": torch.zeros(8)}), CPU), torch.arange(8.0))
 
 
 def test_gather_latest_is_each_clients_get_flat():
