@@ -86,7 +86,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp200-fmnist": {"dataset": "fashion-mnist", "model": "mlp200", "batch-size": 32},
     "cnn-fmnist": {"dataset": "fashion-mnist", "model": "cnn", "batch-size": 32},
 }
-ALGOS = ("fedavg", "fedcdr", "fedpm")
+ALGOS = ("fedavg", "fedcdr", "fedpm", "scaffold")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
 MODES = ("bare", "fast", "cohort", "ray", "ray-cohort", "no-steps")
 UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
@@ -146,6 +146,8 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     eta, alpha = cfg["fedcdr.eta"], cfg["fedcdr.alpha"]
     damping = cfg["fedpm.damping"]
     dr_state: dict[int, tuple[dict, dict, dict]] = {}
+    cv_state: dict[int, dict[str, torch.Tensor]] = {}  # SCAFFOLD's c_i
+    c_glob = {n: torch.zeros_like(p) for n, p in params.items()}  # SCAFFOLD's c
 
     def evaluate() -> float:
         model.load_state_dict(glob)
@@ -206,6 +208,35 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
                     g_sum[k] += new_hat[k] - xhat[k]
                 dr_state[pid] = (yy, xi, new_hat)
             glob = OrderedDict((k, glob[k] + g_sum[k] / clients) for k in glob)
+        elif algo == "scaffold":  # Algorithm 1: steps on g + c - c_i; c_i+ = mean of the uncorrected
+            # gradients ('mean-gradient'); x = mean of the y_i (server lr 1); c += sum of dc / n
+            y_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in glob.items())
+            dc_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+            wd = cfg["weight-decay"]
+            for pid in ids:
+                x, y = train[pid]
+                c_i = cv_state.get(pid) or {n: torch.zeros_like(p) for n, p in params.items()}
+                correction = {n: c_glob[n] - c_i[n] for n in params}
+                grad_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+                steps = [0]
+                model.load_state_dict(glob)
+
+                def correct(correction=correction, grad_sum=grad_sum, steps=steps) -> None:
+                    steps[0] += 1
+                    for n, p in params.items():
+                        grad_sum[n].add_(p.grad)
+                        if wd:
+                            grad_sum[n].add_(p.detach(), alpha=wd)
+                        p.grad.add_(correction[n])
+                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), correct)
+                new = {n: v / steps[0] for n, v in grad_sum.items()} if steps[0] else c_i
+                for n in params:
+                    dc_sum[n] += new[n] - c_i[n]
+                cv_state[pid] = new
+                for k, v in model.state_dict().items():
+                    y_sum[k] += v
+            glob = OrderedDict((k, v / len(ids)) for k, v in y_sum.items())
+            c_glob = {n: c_glob[n] + dc_sum[n] / clients for n in params}
         else:  # fedpm: FOOF-preconditioned local steps, preconditioned mixing
             layers = OrderedDict(foof.foof_layers(model))
             total = sum(len(train[pid][1]) for pid in ids)
