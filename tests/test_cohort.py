@@ -1012,51 +1012,40 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)
 
 
-def test_a_client_with_another_models_stacked_state_fails_alone_in_a_batched_round() -> None:
-    """In the fast runner's stacked store, a client holding state of another
-    layout than the name's (kept as its own tensors) fails alone with the
-    error its own read gives; the cohort's other states are read one by one."""
+@pytest.mark.parametrize("store", ["context", "stacked"])
+def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round(store) -> None:
+    """A client whose saved state cannot be read gets its own error reply, as
+    in its per-client round; the others of the cohort train and reply. In a
+    ``context.state``: a record of the wrong size; in the fast runner's
+    stacked store: a state of another layout than the name's (kept as its
+    own tensors), so the cohort's states are read one by one."""
+    import numpy as np
+
+    from fedaccel.arrays import arrays_to_record, from_numpy
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
     from fedaccel.config import ConfigError
 
     cfg = run_cfg("fedcdr", **{"batch-size": 16})
     model, datas = make_model(), clients()
-    store = StackedClientStates(len(datas))
-    states = [StackedRowState(store, c) for c in range(len(datas))]
+    stacked = StackedClientStates(len(datas))
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(stacked, c)
+              for c in range(len(datas))]
     _dr_round_one(cfg, model, datas, states)
-    store.write(2, 1, "dr", {"w": torch.zeros(3)})
-    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
-                      config=config_for("fedcdr", 2), state=state,
-                      generator=seeded_generator(cfg.seed, 2, c, "train"))
-            for c, (data, state) in enumerate(zip(datas, states))]
-    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ConfigError,))
-    assert isinstance(results[2], ConfigError) and "not this model's" in str(results[2])
-    assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
-
-
-def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round() -> None:
-    """A client whose saved state cannot be read gets its own error reply, as
-    in its per-client round; the others of the cohort train and reply."""
-    import numpy as np
-
-    from fedaccel.arrays import arrays_to_record, from_numpy
-    from fedaccel.config import ConfigError
-
-    cfg = run_cfg("fedcdr", **{"batch-size": 16})
-    model, datas = make_model(), clients()
-    states = [ContextState(RecordDict()) for _ in datas]
-    _dr_round_one(cfg, model, datas, states)
-    states[2].record["fedaccel.v1.dr"] = arrays_to_record([("float32", from_numpy(np.zeros(3, np.float32)))])
-    with pytest.raises(ConfigError, match="damaged"):
-        new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("fedcdr", 2),
-                                   ContextState(copy.deepcopy(states[2].record)),
+    if store == "context":
+        states[2].record["fedaccel.v1.dr"] = arrays_to_record([("float32", from_numpy(np.zeros(3, np.float32)))])
+        own, wanted = ContextState(copy.deepcopy(states[2].record)), "damaged"
+    else:
+        stacked.write(2, 1, "dr", {"w": torch.zeros(3)})
+        own, wanted = states[2], "not this model's"
+    with pytest.raises(ConfigError, match=wanted):
+        new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("fedcdr", 2), own,
                                    seeded_generator(cfg.seed, 2, 2, "train"))
     jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
                       config=config_for("fedcdr", 2), state=state,
                       generator=seeded_generator(cfg.seed, 2, c, "train"))
             for c, (data, state) in enumerate(zip(datas, states))]
     results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ConfigError,))
-    assert isinstance(results[2], ConfigError) and "damaged" in str(results[2])
+    assert isinstance(results[2], ConfigError) and wanted in str(results[2])
     assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
 
 
