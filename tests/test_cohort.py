@@ -57,11 +57,11 @@ BATCHABLE = [
 STATE_GROUP = {"fedcdr": "dr", "feddr": "dr"}  # the name a solver keeps its state under
 
 
-def received_for(algo: str, model: torch.nn.Module) -> dict:
+def received_for(algo: str, model: torch.nn.Module, seed: int = 5) -> dict:
     """The records a server sends beside the model (SCAFFOLD's ``c``)."""
     if algo != "scaffold":
         return {}
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     return {C_RECORD: control_variate_record({k: 0.1 * torch.randn(p.shape, generator=gen).numpy()
                                               for k, p in model.named_parameters()})}
 
@@ -1012,6 +1012,79 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)
 
 
+@pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
+@pytest.mark.parametrize("damage", ["missing", "broadcastable"])
+def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(cv_update, damage) -> None:
+    """A ``scaffold.c`` record without one of the model's parameters, or
+    with another shape (even one that would broadcast), is that client's
+    own error, in its per-client round and in a batched one, where the
+    others train and reply as they would alone."""
+    import numpy as np
+
+    from fedaccel.arrays import arrays_to_record, from_numpy
+    from fedaccel.clients.scaffold import C_RECORD
+    from fedaccel.contract import ContractError
+
+    cfg = run_cfg("scaffold", **{"batch-size": 16, "momentum": 0.0, "scaffold.cv-update": cv_update})
+    model, datas = make_model(), clients()
+    good = received_for("scaffold", model)[C_RECORD]
+    first = next(iter(good.keys()))
+    bad = [(k, a) for k, a in good.items() if damage == "broadcastable" or k != first]
+    if damage == "broadcastable":
+        bad = [(k, from_numpy(np.zeros(1, np.float32)) if k == first else a) for k, a in bad]
+    received = [{C_RECORD: arrays_to_record(bad) if c == 2 else good} for c in range(len(datas))]
+    with pytest.raises(ContractError, match="another model|different models"):
+        new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("scaffold", 1),
+                                   ContextState(RecordDict()), seeded_generator(cfg.seed, 1, 2, "train"), received[2])
+
+    def jobs():
+        return [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                          config=config_for("scaffold", 1), state=ContextState(RecordDict()),
+                          generator=seeded_generator(cfg.seed, 1, c, "train"), received=received[c])
+                for c, data in enumerate(datas)]
+    results = fit_cohort(copy.deepcopy(model), jobs(), cfg.batch_size, errors=(ContractError,))
+    assert isinstance(results[2], ContractError)
+    alone = [new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for("scaffold", 1),
+                                        ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train"),
+                                        received[c]) for c in (0, 4)]
+    for c, want in zip((0, 4), alone):
+        assert list(results[c].extra) == list(want.extra) == ["scaffold.dc"]
+        for k in want.arrays.keys():
+            torch.testing.assert_close(torch.from_numpy(results[c].arrays[k].numpy()),
+                                       torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+
+
+def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(monkeypatch) -> None:
+    """A subclass with its own ``new_control_variate`` (or ``end_round``)
+    keeps it in a batched round: the batch forms no c_i of its own for it."""
+    from collections import OrderedDict
+
+    from fedaccel.clients.scaffold import ScaffoldSolver
+
+    class Doubled(ScaffoldSolver):
+        def new_control_variate(self, model):
+            return OrderedDict((k, 2 * v) for k, v in super().new_control_variate(model).items())
+
+    cfg = run_cfg("scaffold", **{"batch-size": 16})
+    model, datas = make_model(), clients()
+
+    def solver():
+        s = Doubled(cfg)
+        s.initial_model = copy.deepcopy(model.state_dict())
+        return s
+    alone = [solver().fit(copy.deepcopy(model), d, config_for("scaffold", 1), ContextState(RecordDict()),
+                          seeded_generator(cfg.seed, 1, c, "train"), received_for("scaffold", model))
+             for c, d in enumerate(datas)]
+    jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model), config=config_for("scaffold", 1),
+                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"),
+                      received=received_for("scaffold", model)) for c, d in enumerate(datas)]
+    batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    for want, got in zip(alone, batched):
+        for k in want.extra["scaffold.dc"].keys():
+            torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
+                                       torch.from_numpy(want.extra["scaffold.dc"][k].numpy()), atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("store", ["context", "stacked"])
 def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round(store) -> None:
     """A client whose saved state cannot be read gets its own error reply, as
@@ -1145,7 +1218,8 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
         for r in (1, 2, 3):
             jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
                               config=config_for(algo, r), state=states[c],
-                              generator=seeded_generator(cfg.seed, r, c, "train"), received=received_for(algo, model))
+                              generator=seeded_generator(cfg.seed, r, c, "train"),
+                              received=received_for(algo, model, seed=c))  # SCAFFOLD: each client its own c
                     for c, data in enumerate(datas) if r > 1 or c < 5]  # clients 5, 6 start in round 2
             replies.append([(res.arrays, res.extra) for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
         monkeypatch.undo()

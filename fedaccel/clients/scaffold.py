@@ -39,7 +39,7 @@ from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_t
 from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.stacked_state import gathered_states
 from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout, unflatten
-from fedaccel.contract import MessageContract, TrainConfig
+from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
 T = TypeVar("T")
 
@@ -70,9 +70,20 @@ def received_control_variate(received: Mapping[str, ArrayRecord], model: torch.n
 
 def control_variate_like(record: ArrayRecord, like: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
     """The tensors of a ``scaffold.c`` record for the parameters ``like``
-    (by name; each on its parameter's device, in its dtype)."""
-    return OrderedDict((k, torch.from_numpy(to_numpy(record[k]).copy()).to(device=p.device, dtype=p.dtype))
-                       for k, p in like.items())
+    (by name; each on its parameter's device, in its dtype). A record
+    without one of them, or with another shape, is a :class:`ContractError`
+    (that client's own error reply), never broadcast into a wrong correction."""
+    out = OrderedDict()
+    for k, p in like.items():
+        if k not in record:
+            raise ContractError(f"scaffold: the server's control variate ({C_RECORD}) has no {k!r}; "
+                                "client and server run different models")
+        values = to_numpy(record[k])
+        if values.shape != tuple(p.shape):
+            raise ContractError(f"scaffold: the server's control variate {k!r} has shape {values.shape}, the "
+                                f"parameter {tuple(p.shape)}; client and server run different models")
+        out[k] = torch.from_numpy(values.copy()).to(device=p.device, dtype=p.dtype)
+    return out
 
 
 def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
@@ -93,12 +104,13 @@ class ScaffoldSolver(AnchoredSolver):
         server's ``c`` (as :meth:`cohort_begin_round` converted it for the
         cohort, or from this client's record), the saved ``c_i`` (zero at the
         start), a zero ``grad_sum`` and the correction ``c - c_i``."""
+        # what cohort_begin_round handed over, taken before anything can raise (never left for a next round)
+        given, saved = self.__dict__.pop("_given_c", None), self.__dict__.pop("_given_c_i", None)
+        self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
         self.lr = train.lr
         self.wd = float(self.cfg.weight_decay)
         self.x = anchor
-        given, self._given_c = getattr(self, "_given_c", None), None
         self.c = given if given is not None else control_variate_like(self.received[C_RECORD], anchor)
-        saved, self._given_c_i = getattr(self, "_given_c_i", None), None
         if saved is None:  # read here (else cohort_begin_round read it: (flat c_i or None if none, its layout))
             self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
         elif saved[0] is None:
@@ -107,13 +119,14 @@ class ScaffoldSolver(AnchoredSolver):
             self.c_i = OrderedDict(zip(anchor, unflatten(saved[0], saved[1]).values()))
         self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
         self.correction = [self.c[k] - self.c_i[k] for k in anchor]
-        self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
         """:meth:`begin_at_anchor` of every opening (no model loaded), with
         the server's ``c`` converted once per received record, not per
         client, and the clients' saved ``c_i`` read in one gather when the
         fast runner keeps them stacked."""
+        if type(self).begin_round is not AnchoredSolver.begin_round:
+            return None  # a begin_round of its own: each client's, as it is written
         params = OrderedDict(model.named_parameters())
         # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner)
         layout = stored_layout(params)
@@ -126,7 +139,7 @@ class ScaffoldSolver(AnchoredSolver):
             if record is not None and id(record) not in converted:
                 try:
                     converted[id(record)] = control_variate_like(record, params)
-                except Exception:  # noqa: BLE001 - each client's own begin reports it
+                except ContractError:  # each client's own begin reports it
                     converted[id(record)] = None
             o.solver._given_c = converted.get(id(record))
         return super().cohort_begin_round(model, openings)
@@ -158,12 +171,10 @@ class ScaffoldSolver(AnchoredSolver):
         if formed is None:
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
+            state.put("scaffold", flat_groups({"c": new}))
         else:  # the cohort trainer's, for the whole batch (cohort_after_steps): c_i+ as one flat row
             flat, layout, dc = formed
             state.put_flat("scaffold", flat, layout)
-            self.correction, self.grad_sum = [], OrderedDict()
-            return {DC_RECORD: dc}
-        state.put("scaffold", flat_groups({"c": new}))
         self.correction, self.grad_sum = [], OrderedDict()
         return {DC_RECORD: dc}
 
@@ -174,7 +185,11 @@ class ScaffoldSolver(AnchoredSolver):
         trained weights and running sums: elementwise, so the same values as
         one client at a time; each reply's ``scaffold.dc`` Arrays are rows of
         one stack per parameter (what ``numpy_to_record`` builds, byte for
-        byte), and ``end_round`` only stores the new ``c_i``."""
+        byte), and ``end_round`` only stores the new ``c_i``. The division
+        by each client's ``K`` (or ``K lr``) is by a tensor of them: on a CPU
+        the bits of one client's division by the number; on a CUDA GPU,
+        which divides by a number as a product with its reciprocal, within
+        one float32 rounding of it."""
         if type(self).end_round is not ScaffoldSolver.end_round or any(
                 type(m.solver).new_control_variate is not ScaffoldSolver.new_control_variate
                 or m.solver.params.cv_update != self.params.cv_update or m.solver.lr != self.lr for m in members):
