@@ -169,8 +169,9 @@ class StackedClientStates:
         if self.loose and any((latest, name) in self.loose.get(pid, {})
                               for pid, latest in zip(pids, self.tags[pids, 1].tolist())):
             return None
-        if slots is None:
-            return torch.zeros(len(pids), flat_size(layout), device=device), [False] * len(pids)
+        if slots is None:  # nobody has saved one yet
+            return (torch.zeros(len(pids), flat_size(layout), dtype=getattr(torch, layout[0][1]), device=device),
+                    [False] * len(pids))
         if slots.layout is not layout:
             _check_layout(slots.layout, layout, name)
         index = np.asarray(pids, dtype=np.int64)
