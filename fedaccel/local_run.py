@@ -187,7 +187,7 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
 
 
 def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer: Callable,
-                          quiet: bool, batched_note: Callable | None = None) -> Callable | None:
+                          quiet: bool, batched_note: Callable) -> Callable | None:
     """``trainer`` (a round's clients as one batched model) when
     ``cohort-batching`` allows and the run can be batched, else None (one
     client after another, announced the same way). Says which on stderr
@@ -201,7 +201,7 @@ def choose_cohort_trainer(cfg: RunConfig, grid: Any, fallback: Callable, trainer
     context = next(iter(grid.contexts.values()))
     try:
         reason = fallback(context)
-        part = None if reason or batched_note is None else batched_note(context)
+        part = None if reason else batched_note(context)
     except USER_ERRORS:
         reason = part = None  # bad data or node config: the first round reports it, batched or not
     if reason and cfg.cohort_batching == "on":
