@@ -215,7 +215,7 @@ class ScaffoldSolver(AnchoredSolver):
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
         flat = torch.cat([v.reshape(len(solvers), -1) for v in news.values()], dim=1)  # what put stores, as rows
-        layout = stored_layout(OrderedDict((k, v[0]) for k, v in news.items()))
+        layout = stored_layout(self.x)  # the parameters' names, shapes and dtype: the new c_i's
         for c, s in enumerate(solvers):
             s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
 
