@@ -142,7 +142,7 @@ def install_kit(kit: Path) -> str | None:
 def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[str, list[str], int, bool]]:
     """(name, command, time limit in seconds, needs Fashion-MNIST) in the order they run."""
     bench = [python, str(ROOT / "bench" / "overhead.py"), "--device", device, "--out", str(out / "overhead")]
-    synthetic = ["--workloads", "mlp-synthetic", "--algos", "fedavg", "fedcdr", "fedpm",
+    synthetic = ["--workloads", "mlp-synthetic", "--algos", "fedavg", "scaffold", "fedcdr", "fedpm",
                  "--modes", "bare", "fast", "cohort", "--rounds", "10"]
     return [
         ("env", [python, __file__, "env", "--out", str(out), "--device", device], 120, False),
@@ -310,17 +310,27 @@ def _round_difference(algo: str, model_name: str, device: str, tf32: bool, chang
 
     config = train_config_record(1, 0.05, 2, None)
     config["accepted-round"] = 0
+    received = {}
+    if algo == "scaffold":  # the server's control variate c, not zero, so that the correction counts
+        from fedaccel.clients.scaffold import C_RECORD, control_variate_record
+        received = {C_RECORD: control_variate_record({k: 0.1 * torch.randn(p.shape, generator=gen).numpy()
+                                                      for k, p in model.named_parameters()})}
     per_client = [solver().fit(copy.deepcopy(model), d, config, ContextState(RecordDict()),
-                               seeded_generator(0, 1, c, "train"), {}) for c, d in enumerate(datas)]
+                               seeded_generator(0, 1, c, "train"), received) for c, d in enumerate(datas)]
     jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model), config=config,
-                      state=ContextState(RecordDict()), generator=seeded_generator(0, 1, c, "train"), received={})
+                      state=ContextState(RecordDict()), generator=seeded_generator(0, 1, c, "train"),
+                      received=received)
             for c, d in enumerate(datas)]
     batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
     worst_abs = worst_rel = 0.0
     for a, b in zip(per_client, batched):
         if isinstance(b, BaseException):
             raise b
-        for x, y in zip(a.arrays.values(), b.arrays.values()):
+        # the weights, and the extra records (SCAFFOLD's dc) in the same order
+        pairs = list(zip(a.arrays.values(), b.arrays.values()))
+        for key in a.extra:
+            pairs += zip(a.extra[key].values(), b.extra[key].values())
+        for x, y in pairs:
             p, q = torch.from_numpy(x.numpy()).double(), torch.from_numpy(y.numpy()).double()
             diff = (p - q).abs().max().item()
             worst_abs = max(worst_abs, diff)
@@ -332,6 +342,8 @@ def _round_difference(algo: str, model_name: str, device: str, tf32: bool, chang
 def equivalence_step(out: Path, device: str) -> int:
     rows = []
     for algo, model_name, changes in [("fedavg", "mlp", {"weight-decay": 1e-3}),
+                                      ("scaffold", "mlp", {}),
+                                      ("scaffold", "mlp", {"scaffold.cv-update": "option-ii"}),
                                       ("fedcdr", "mlp", {"fedcdr.eta": 0.5}),
                                       ("fedpm", "mlp", {}),
                                       ("fedavg", "cnn", {})]:
