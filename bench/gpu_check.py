@@ -205,8 +205,8 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
         env["FEDACCEL_DATA_DIR"] = str(kit / "data")
     has_fmnist = in_kit or (FASHION_MNIST / FASHION_FILES[0]).is_file()
     failed = 0
-    # a step starts when a minute (or its limit) is left; one that the budget
-    # cuts is "cut at the budget", not a failure
+    # a step starts when a minute (or its limit) is left, or 90 % of a budget
+    # shorter than that; one that the budget cuts is "cut at the budget", not a failure
     for name, cmd, limit, needs_fmnist in step_commands(out, sys.executable, device):
         if only and name not in only:
             continue
@@ -214,8 +214,8 @@ def run(kit: Path, out: Path, budget: float, only: list[str] | None, device: str
         status, seconds = "skipped", 0.0
         if needs_fmnist and not has_fmnist:
             reason = "no Fashion-MNIST (kit without data and none in /usr/share/datasets)"
-        elif left < min(limit, 60):
-            reason = f"{left:.0f} s of the budget left"
+        elif left <= 0 or left < min(limit, 60, 0.9 * budget):
+            reason = f"{max(left, 0):.1f} s of the budget left"
         else:
             reason = ""
             say(f"{name}: {' '.join(cmd[1:])} (at most {min(limit, left):.0f} s)")
@@ -335,7 +335,7 @@ def _round_difference(algo: str, model_name: str, device: str, tf32: bool, chang
             diff = (p - q).abs().max().item()
             worst_abs = max(worst_abs, diff)
             worst_rel = max(worst_rel, diff / max(p.abs().max().item(), 1e-12))
-    return {"algo": algo, "model": model_name, "device": device, "tf32": tf32, "clients": len(sizes),
+    return {"algo": algo, "model": model_name, "changes": changes, "device": device, "tf32": tf32, "clients": len(sizes),
             "max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
 
 

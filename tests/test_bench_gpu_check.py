@@ -40,6 +40,16 @@ def test_a_spent_budget_skips_every_step_and_says_so(tmp_path):
     assert "done in" in (tmp_path / "out" / "log.txt").read_text()
 
 
+def test_a_budget_shorter_than_a_minute_still_runs_a_step(tmp_path):
+    """``--budget 30 --only env``: the step runs (it once needed a full minute
+    left, so a budget of exactly 60 s skipped it)."""
+    gpu_check = _gpu_check()
+    gpu_check.run(tmp_path / "kit", tmp_path / "out", budget=30, only=["env"], device="cpu")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["env"]
+    assert rows[0]["status"] in ("passed", "cut at the budget"), rows
+
+
 def test_a_step_that_overruns_is_stopped_with_the_processes_it_started(tmp_path):
     """bench/overhead.py measures in child processes: a step stopped at its
     limit takes its children with it, and the budget's cut is not a failure."""
@@ -91,6 +101,9 @@ def test_a_dry_run_on_the_cpu_passes_its_first_steps(tmp_path):
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["torch"] and "matmul_allow_tf32" in env
     rows = json.loads((tmp_path / "equivalence.json").read_text())
-    assert {(r["algo"], r["model"]) for r in rows} == {("fedavg", "mlp"), ("fedcdr", "mlp"), ("fedpm", "mlp"),
-                                                       ("fedavg", "cnn")}
+    assert {(r["algo"], r["model"]) for r in rows} == {("fedavg", "mlp"), ("scaffold", "mlp"), ("fedcdr", "mlp"),
+                                                       ("fedpm", "mlp"), ("fedavg", "cnn")}
     assert {r["tf32"] for r in rows} == {True, False}
+    scaffold = [r for r in rows if r["algo"] == "scaffold"]
+    assert {r["changes"].get("scaffold.cv-update", "default") for r in scaffold} == {"default", "option-ii"}
+    assert all(0 <= r["max_abs_diff"] < 1e-5 for r in rows if r["model"] == "mlp")  # float32 rounding, measured
