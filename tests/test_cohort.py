@@ -1014,15 +1014,18 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
 
 @pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
 @pytest.mark.parametrize("damage", ["missing", "broadcastable"])
-def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(cv_update, damage) -> None:
+@pytest.mark.parametrize("store", ["context", "stacked"])
+def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(cv_update, damage, store) -> None:
     """A ``scaffold.c`` record without one of the model's parameters, or
     with another shape (even one that would broadcast), is that client's
     own error, in its per-client round and in a batched one, where the
-    others train and reply as they would alone."""
+    others train and reply as they would alone (on the stacked store: the
+    others' rows of the cohort's stacks, without the failed client's)."""
     import numpy as np
 
     from fedaccel.arrays import arrays_to_record, from_numpy
     from fedaccel.clients.scaffold import C_RECORD
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
     from fedaccel.contract import ContractError
 
     cfg = run_cfg("scaffold", **{"batch-size": 16, "momentum": 0.0, "scaffold.cv-update": cv_update})
@@ -1037,29 +1040,72 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
         new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("scaffold", 1),
                                    ContextState(RecordDict()), seeded_generator(cfg.seed, 1, 2, "train"), received[2])
 
-    def jobs():
+    rows = StackedClientStates(len(datas))
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
+
+    def jobs(server_round, sent):
         return [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
-                          config=config_for("scaffold", 1), state=ContextState(RecordDict()),
-                          generator=seeded_generator(cfg.seed, 1, c, "train"), received=received[c])
+                          config=config_for("scaffold", server_round), state=states[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received=sent[c])
                 for c, data in enumerate(datas)]
-    results = fit_cohort(copy.deepcopy(model), jobs(), cfg.batch_size, errors=(ContractError,))
+    # a first round with the right c gives every client a c_i of its own, then client 2 gets a damaged c
+    fit_cohort(copy.deepcopy(model), jobs(1, [{C_RECORD: good}] * len(datas)), cfg.batch_size)
+    saved = [copy.deepcopy(s.record) if store == "context" else rows.record_dict(c) for c, s in enumerate(states)]
+    results = fit_cohort(copy.deepcopy(model), jobs(2, received), cfg.batch_size, errors=(ContractError,))
     assert isinstance(results[2], ContractError)
-    alone = [new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for("scaffold", 1),
-                                        ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train"),
-                                        received[c]) for c in (0, 4)]
-    for c, want in zip((0, 4), alone):
+    alone = [new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for("scaffold", 2),
+                                        ContextState(saved[c]), seeded_generator(cfg.seed, 2, c, "train"),
+                                        received[c]) for c in (0, 3, 4)]
+    for c, want in zip((0, 3, 4), alone):
         assert list(results[c].extra) == list(want.extra) == ["scaffold.dc"]
         for k in want.arrays.keys():
             torch.testing.assert_close(torch.from_numpy(results[c].arrays[k].numpy()),
                                        torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        for k in want.extra["scaffold.dc"].keys():
+            torch.testing.assert_close(torch.from_numpy(results[c].extra["scaffold.dc"][k].numpy()),
+                                       torch.from_numpy(want.extra["scaffold.dc"][k].numpy()), atol=ATOL, rtol=RTOL)
 
 
-def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(monkeypatch) -> None:
+@pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
+def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_as_alone(cv_update) -> None:
+    """Clients begun together in one chunk (their ``c_i`` rows of one
+    stack) but trained as two groups (another learning rate each): every
+    group's ``c_i``, ``c - c_i`` and ``grad_sum`` are its members' rows,
+    so each client replies what it replies alone, round after round."""
+    from fedaccel.clients.scaffold import C_RECORD
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
+    cfg = run_cfg("scaffold", **{"batch-size": 16, "momentum": 0.0, "scaffold.cv-update": cv_update})
+    model, datas = make_model(), clients()
+    sent = {C_RECORD: received_for("scaffold", model)[C_RECORD]}
+    lrs = [0.1 if c % 2 == 0 else 0.05 for c in range(len(datas))]
+    store = StackedClientStates(len(datas))
+    stacked, own = [StackedRowState(store, c) for c in range(len(datas))], [ContextState(RecordDict()) for _ in datas]
+    for server_round in (1, 2, 3):
+        alone = [new_solver(cfg, model).fit(copy.deepcopy(model), d, config_for("scaffold", server_round, lrs[c]),
+                                            own[c], seeded_generator(cfg.seed, server_round, c, "train"), sent)
+                 for c, d in enumerate(datas)]
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=state_to_arrays(model),
+                          config=config_for("scaffold", server_round, lrs[c]), state=stacked[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received=sent)
+                for c, d in enumerate(datas)]
+        for want, got in zip(alone, fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)):
+            for record, other in [(want.arrays, got.arrays), (want.extra["scaffold.dc"], got.extra["scaffold.dc"])]:
+                for k in record.keys():
+                    torch.testing.assert_close(torch.from_numpy(other[k].numpy()), torch.from_numpy(record[k].numpy()),
+                                               atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("store", ["context", "stacked"])
+def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(store, monkeypatch) -> None:
     """A subclass with its own ``new_control_variate`` (or ``end_round``)
-    keeps it in a batched round: the batch forms no c_i of its own for it."""
+    keeps it in a batched round: the batch forms no c_i of its own for it.
+    On the stacked store its ``c_i`` and ``grad_sum`` are rows of the
+    cohort's stacks, read as its own tensors by its rule."""
     from collections import OrderedDict
 
     from fedaccel.clients.scaffold import ScaffoldSolver
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
     class Doubled(ScaffoldSolver):
         def new_control_variate(self, model):
@@ -1072,17 +1118,23 @@ def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_pa
         s = Doubled(cfg)
         s.initial_model = copy.deepcopy(model.state_dict())
         return s
-    alone = [solver().fit(copy.deepcopy(model), d, config_for("scaffold", 1), ContextState(RecordDict()),
-                          seeded_generator(cfg.seed, 1, c, "train"), received_for("scaffold", model))
-             for c, d in enumerate(datas)]
-    jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model), config=config_for("scaffold", 1),
-                      state=ContextState(RecordDict()), generator=seeded_generator(cfg.seed, 1, c, "train"),
-                      received=received_for("scaffold", model)) for c, d in enumerate(datas)]
-    batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
-    for want, got in zip(alone, batched):
-        for k in want.extra["scaffold.dc"].keys():
-            torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
-                                       torch.from_numpy(want.extra["scaffold.dc"][k].numpy()), atol=ATOL, rtol=RTOL)
+    rows = StackedClientStates(len(datas))
+    own = [ContextState(RecordDict()) for _ in datas]
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
+    for server_round in (1, 2):  # the second round from c_i of the clients' own (the dc subtracts them)
+        alone = [solver().fit(copy.deepcopy(model), d, config_for("scaffold", server_round), own[c],
+                              seeded_generator(cfg.seed, server_round, c, "train"), received_for("scaffold", model))
+                 for c, d in enumerate(datas)]
+        jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model),
+                          config=config_for("scaffold", server_round), state=states[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"),
+                          received=received_for("scaffold", model)) for c, d in enumerate(datas)]
+        batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+        for want, got in zip(alone, batched):
+            for k in want.extra["scaffold.dc"].keys():
+                torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
+                                           torch.from_numpy(want.extra["scaffold.dc"][k].numpy()),
+                                           atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])
@@ -1207,7 +1259,7 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
         model = model.double()
         datas = [TrainData(x=d.x.double(), y=d.y) for d in datas]
 
-    def rounds(states, batched):
+    def rounds(states, batched, max_clients=None):
         loads = []
         real = cohort_module._load_weights
         monkeypatch.setattr(cohort_module, "_load_weights", lambda *a: loads.append(1) or real(*a))
@@ -1221,7 +1273,8 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
                               generator=seeded_generator(cfg.seed, r, c, "train"),
                               received=received_for(algo, model, seed=c))  # SCAFFOLD: each client its own c
                     for c, data in enumerate(datas) if r > 1 or c < 5]  # clients 5, 6 start in round 2
-            replies.append([(res.arrays, res.extra) for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)])
+            replies.append([(res.arrays, res.extra) for res in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size,
+                                                                          max_clients=max_clients)])
         monkeypatch.undo()
         return replies, len(loads)
 
@@ -1229,10 +1282,11 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
     loaded_states = [ContextState(RecordDict()) for _ in datas]
     formed, loads_formed = rounds(formed_states, True)
     loaded, loads_loaded = rounds(loaded_states, False)
-    # the fast runner's stacked store (a batched begin reads the cohort's rows in one gather): the same
+    # the fast runner's stacked store (a batched begin reads the cohort's rows in one gather; SCAFFOLD
+    # keeps c_i, c - c_i and grad_sum as stacks), in chunks of 3 clients (rows of the stacks): the same
     store = StackedClientStates(len(datas) + 1)
     stacked_states = [StackedRowState(store, p) for p in (6, 0, 4, 1, 7, 2, 3)]
-    stacked, _ = rounds(stacked_states, True)
+    stacked, _ = rounds(stacked_states, True, max_clients=3)
     for x, y in zip(stacked, loaded):
         assert [(list(a.keys()), list(e)) for a, e in x] == [(list(a.keys()), list(e)) for a, e in y]
         assert all(same_array(a[k], b[k]) for (a, _), (b, _) in zip(x, y) for k in a.keys())

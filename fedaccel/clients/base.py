@@ -200,7 +200,10 @@ class LocalSolver:
         is the first one's solver), each stacked along a new first dim in the
         members' order, when the solver already holds them stacked (made by
         :meth:`cohort_begin_round`); None: the trainer stacks each member's
-        (the default, and always for a solver with :attr:`accumulators`)."""
+        (the default) and, for :attr:`accumulators`, copies the running sums
+        back into each member's own tensors after the steps. A solver that
+        returns stacks keeps those sums in them itself (SCAFFOLD's
+        ``grad_sum``, read by its :meth:`cohort_after_steps`)."""
         return None
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

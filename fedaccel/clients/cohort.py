@@ -310,7 +310,8 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
                                                                            + sample_shape)
     names = [n for n, _ in model.named_parameters()]
     grads_of = batched_loss_and_grads(model)
-    stacked = None if template.accumulators else template.cohort_step_tensors(cohort)
+    # stacks the solver made (it keeps its accumulators' sums itself), else each member's tensors stacked
+    stacked, own = template.cohort_step_tensors(cohort), None
     if stacked is None:
         own = [m.solver.step_tensors() for m in cohort]
         stacked = {k: [torch.stack([o[k][i] for o in own]) for i in range(len(own[0][k]))] for k in own[0]}
@@ -364,7 +365,7 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
     step_losses = losses.new_zeros(training.shape).masked_scatter_(training, losses)
     step_counts = counts.new_zeros(training.shape).masked_scatter_(training, counts)
     loss_sum, seen = (step_losses * step_counts).sum(dim=0), step_counts.sum(dim=0)
-    for key in template.accumulators:  # the rule's running sums, back to each client
+    for key in template.accumulators if own is not None else ():  # the rule's running sums, back to each client
         for c, o in enumerate(own):
             for i, v in enumerate(stacked[key]):
                 o[key][i].copy_(v[c])

@@ -37,8 +37,8 @@ from flwr.app import ArrayRecord
 
 from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import gathered_states
-from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout, unflatten
+from fedaccel.clients.stacked_state import gathered_stack
+from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, split_plan, tensor_layout
 from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
 T = TypeVar("T")
@@ -92,6 +92,15 @@ def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
     return tensor_layout(flat_groups({"c": params}))
 
 
+class _CohortStacks:
+    """The cohort's ``c_i`` and ``c - c_i``, one ``[C, ...]`` stack per
+    parameter (:meth:`ScaffoldSolver.cohort_begin_round`); a member's are
+    row ``solver._row``."""
+
+    c_i: list[torch.Tensor]
+    correction: list[torch.Tensor]
+
+
 class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
@@ -103,36 +112,59 @@ class ScaffoldSolver(AnchoredSolver):
         """The round's ``lr``, the anchor ``x`` (the received parameters), the
         server's ``c`` (as :meth:`cohort_begin_round` converted it for the
         cohort, or from this client's record), the saved ``c_i`` (zero at the
-        start), a zero ``grad_sum`` and the correction ``c - c_i``."""
+        start), a zero ``grad_sum`` and the correction ``c - c_i``; in a
+        cohort begun together on the fast runner's stacked store, those three
+        are this client's rows of the cohort's stacks instead
+        (:meth:`cohort_begin_round`, :meth:`_own_tensors`)."""
         # what cohort_begin_round handed over, taken before anything can raise (never left for a next round)
         given, saved = self.__dict__.pop("_given_c", None), self.__dict__.pop("_given_c_i", None)
         self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
+        self._rows_of = self._grad_sum_at = None
         self.lr = train.lr
         self.wd = float(self.cfg.weight_decay)
         self.x = anchor
         self.c = given if given is not None else control_variate_like(self.received[C_RECORD], anchor)
-        if saved is None:  # read here (else cohort_begin_round read it: (flat c_i or None if none, its layout))
-            self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
-        elif saved[0] is None:
-            self.c_i = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
-        else:
-            self.c_i = OrderedDict(zip(anchor, unflatten(saved[0], saved[1]).values()))
+        if saved is not None:  # the cohort's c_i, c - c_i and grad_sum, as stacks (cohort_begin_round)
+            self._rows_of = saved  # this client's rows: its _row, set once the cohort's stacks are made
+            return
+        self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
         self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
         self.correction = [self.c[k] - self.c_i[k] for k in anchor]
+
+    def _own_tensors(self) -> None:
+        """This client's ``c_i``, ``c - c_i`` and ``grad_sum`` as tensors of
+        its own (views of its rows) when they are rows of the cohort's
+        stacks: for the per-client code (:meth:`step_tensors`,
+        :meth:`end_round`), the same values :meth:`begin_at_anchor` makes."""
+        stacks, self._rows_of = self._rows_of, None
+        if stacks is None:
+            return
+        names, k = list(self.x), self._row
+        self.c_i = OrderedDict((n, block[k]) for n, block in zip(names, stacks.c_i))
+        self.correction = [block[k] for block in stacks.correction]
+        at, self._grad_sum_at = self._grad_sum_at, None
+        self.grad_sum = (OrderedDict((n, block[at[1]]) for n, block in zip(names, at[0])) if at is not None
+                         else OrderedDict((n, torch.zeros_like(v)) for n, v in self.x.items()))
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
         """:meth:`begin_at_anchor` of every opening (no model loaded), with
         the server's ``c`` converted once per received record, not per
-        client, and the clients' saved ``c_i`` read in one gather when the
-        fast runner keeps them stacked."""
+        client; when the fast runner keeps the clients' states stacked, their
+        saved ``c_i`` are read in one gather and kept as one stack per
+        parameter, ``c - c_i`` made for all of them at once (the per-client
+        tensors only if per-client code asks: :meth:`_own_tensors`)."""
         if type(self).begin_round is not AnchoredSolver.begin_round:
             return None  # a begin_round of its own: each client's, as it is written
         params = OrderedDict(model.named_parameters())
-        # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner)
+        # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner):
+        # kept as the rows of one stack per parameter, with c - c_i made for all of them at once
         layout = stored_layout(params)
-        saved = gathered_states([o.state for o in openings], "scaffold", layout, next(iter(params.values())).device)
-        for k, o in enumerate(openings):
-            o.solver._given_c_i = None if saved is None else (saved[k], layout)
+        gathered = gathered_stack([o.state for o in openings], "scaffold", layout, next(iter(params.values())).device)
+        stacks = None if gathered is None or any(  # a subclass's own begin or tensors: each client's own tensors
+            (type(o.solver).begin_at_anchor, type(o.solver).step_tensors)
+            != (ScaffoldSolver.begin_at_anchor, ScaffoldSolver.step_tensors) for o in openings) else _CohortStacks()
+        for o in openings:
+            o.solver._given_c_i = stacks
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
         for o in openings:
             record = o.solver.received.get(C_RECORD)
@@ -142,9 +174,44 @@ class ScaffoldSolver(AnchoredSolver):
                 except ContractError:  # each client's own begin reports it
                     converted[id(record)] = None
             o.solver._given_c = converted.get(id(record))
-        return super().cohort_begin_round(model, openings)
+        begun = super().cohort_begin_round(model, openings)
+        if stacks is not None:
+            ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
+            c_i = gathered if len(ok) == len(openings) else gathered.index_select(
+                0, torch.tensor(ok, device=gathered.device))
+            _, sizes, shapes = split_plan(layout)
+            stacks.c_i = [piece.view(len(ok), *shape) for piece, shape in zip(torch.split(c_i, sizes, dim=1), shapes)]
+            solvers = [openings[k].solver for k in ok]
+            for row, solver in enumerate(solvers):
+                solver._row = row
+            # c - c_i, elementwise (one c, the usual round, broadcast): the bits of each client's own
+            stacks.correction = [self.shared_or_stacked([s.c[name] for s in solvers]) - block
+                                 for name, block in zip(params, stacks.c_i)] if solvers else []
+        return begun
+
+    def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
+        """The members' ``c - c_i`` as rows of :meth:`cohort_begin_round`'s
+        stacks (in the trainer's order) and a zero ``grad_sum`` stack per
+        parameter, which the trainer's steps add into and
+        :meth:`cohort_after_steps` reads (each member's rows noted, so that
+        its own :meth:`end_round` reads them too)."""
+        solvers = [m.solver for m in members]
+        stacks = solvers[0]._rows_of
+        if stacks is None or any(s._rows_of is not stacks for s in solvers):
+            return None
+        rows = [s._row for s in solvers]
+        if rows == list(range(len(stacks.correction[0]) if stacks.correction else 0)):
+            correction = list(stacks.correction)
+        else:
+            index = torch.tensor(rows, device=stacks.correction[0].device)
+            correction = [block.index_select(0, index) for block in stacks.correction]
+        grad_sum = [torch.zeros_like(block) for block in correction]
+        for pos, s in enumerate(solvers):
+            s._grad_sum_at = (grad_sum, pos)
+        return {"correction": correction, "grad_sum": grad_sum}
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self._own_tensors()
         return {"correction": self.correction, "grad_sum": list(self.grad_sum.values())}
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -157,6 +224,7 @@ class ScaffoldSolver(AnchoredSolver):
         return g + tensors["correction"]
 
     def new_control_variate(self, model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
+        self._own_tensors()
         steps = self.local_steps
         if steps == 0:
             return OrderedDict((k, v.clone()) for k, v in self.c_i.items())
@@ -169,6 +237,7 @@ class ScaffoldSolver(AnchoredSolver):
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         formed, self._formed = getattr(self, "_formed", None), None
         if formed is None:
+            self._own_tensors()
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
             state.put("scaffold", flat_groups({"c": new}))
@@ -176,6 +245,7 @@ class ScaffoldSolver(AnchoredSolver):
             flat, layout, dc = formed
             state.put_flat("scaffold", flat, layout)
         self.correction, self.grad_sum = [], OrderedDict()
+        self._rows_of = self._grad_sum_at = None  # the cohort's stacks are not kept past the round
         return {DC_RECORD: dc}
 
     def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],
@@ -199,9 +269,10 @@ class ScaffoldSolver(AnchoredSolver):
         if 0 in steps:  # a client without steps keeps its c_i: one client at a time
             return
         index = torch.tensor(rows, device=weights[0].device)
+        c_i_of, grad_sum_of = self._cohort_rows(solvers, index)
         news, dcs = OrderedDict(), OrderedDict()
-        for (name, _), w in zip(model.named_parameters(), weights):
-            c_i = torch.stack([s.c_i[name] for s in solvers])
+        for i, ((name, _), w) in enumerate(zip(model.named_parameters(), weights)):
+            c_i = c_i_of(i, name)
             shape = (len(solvers),) + (1,) * (c_i.dim() - 1)
             if self.params.cv_update == "option-ii":
                 # the per-client divisor steps * lr (a Python float), rounded to the tensor's dtype as there
@@ -211,13 +282,46 @@ class ScaffoldSolver(AnchoredSolver):
                                                 w.detach().index_select(0, index), scale, 1.0)
             else:
                 scale = torch.tensor(steps, dtype=c_i.dtype, device=c_i.device).view(shape)
-                new = torch.stack([s.grad_sum[name] for s in solvers]) / scale
+                new = grad_sum_of(i, name) / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
         flat = torch.cat([v.reshape(len(solvers), -1) for v in news.values()], dim=1)  # what put stores, as rows
         layout = stored_layout(self.x)  # the parameters' names, shapes and dtype: the new c_i's
         for c, s in enumerate(solvers):
             s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
+
+    @staticmethod
+    def _cohort_rows(solvers: list, index: torch.Tensor):
+        """Readers of the members' ``c_i`` and ``grad_sum`` for parameter
+        ``i`` (named ``name``), stacked in the members' order: rows of the
+        cohort's stacks where every member's are (the trainer's ``grad_sum``
+        rows are its weights' rows, ``index``), else each member's own."""
+        stacks = solvers[0]._rows_of
+        if stacks is not None and all(s._rows_of is stacks for s in solvers):
+            rows = [s._row for s in solvers]
+            whole = rows == list(range(len(stacks.c_i[0]) if stacks.c_i else 0))  # the chunk, as it began
+            at_rows = torch.tensor(rows, device=index.device)
+
+            def c_i_of(i: int, name: str) -> torch.Tensor:
+                return stacks.c_i[i] if whole else stacks.c_i[i].index_select(0, at_rows)
+        else:
+            for s in solvers:
+                s._own_tensors()
+
+            def c_i_of(i: int, name: str) -> torch.Tensor:
+                return torch.stack([s.c_i[name] for s in solvers])
+        at = [s._grad_sum_at for s in solvers]
+        if all(a is not None and a[0] is at[0][0] and a[1] == r for a, r in zip(at, index.tolist())):
+
+            def grad_sum_of(i: int, name: str) -> torch.Tensor:
+                return at[0][0][i].index_select(0, index)
+        else:
+            for s in solvers:
+                s._own_tensors()
+
+            def grad_sum_of(i: int, name: str) -> torch.Tensor:
+                return torch.stack([s.grad_sum[name] for s in solvers])
+        return c_i_of, grad_sum_of
 
     def reads_trained_model(self) -> bool:
         """Not once :meth:`cohort_after_steps` formed the new ``c_i``."""

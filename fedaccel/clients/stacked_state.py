@@ -298,18 +298,30 @@ def gathered_states(states: list, name: str, layout: Layout, device: torch.devic
     runner's). None when they are not, when one client's is kept as its own
     tensors, or when the saved state is another model's (then each client
     reads its own, and reports its own error)."""
+    found = _gathered(states, name, layout, device)
+    if found is None:
+        return None
+    stack, has = found
+    return [stack[k] if has[k] else None for k in range(len(states))]
+
+
+def gathered_stack(states: list, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
+    """:func:`gathered_states` as the one ``[C, D]`` stack it reads, a row of
+    zeros for a client without a saved ``name`` (what a state that starts at
+    zero, SCAFFOLD's ``c_i``, begins from); None as there."""
+    found = _gathered(states, name, layout, device)
+    return None if found is None else found[0]
+
+
+def _gathered(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
     first = getattr(states[0], "store", None) if states else None
     if not isinstance(first, StackedClientStates) or any(
             not isinstance(state, StackedRowState) or state.store is not first for state in states):
         return None
     try:
-        found = first.gather_latest(name, [state.pid for state in states], layout, device)
+        return first.gather_latest(name, [state.pid for state in states], layout, device)
     except ConfigError:
         return None
-    if found is None:
-        return None
-    stack, has = found
-    return [stack[k] if has[k] else None for k in range(len(states))]
 
 
 class StackedStateRecord(RecordDict):
