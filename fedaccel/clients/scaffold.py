@@ -215,13 +215,15 @@ class ScaffoldSolver(AnchoredSolver):
         return {"correction": self.correction, "grad_sum": list(self.grad_sum.values())}
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``g + c - c_i`` (:func:`corrected_gradient`); adds the uncorrected
-        ``g + wd w`` to the running ``grad_sum`` of ``mean-gradient``."""
+        """``g + c - c_i`` (:func:`corrected_gradient`, with ``c - c_i`` made
+        at the round's start); adds the uncorrected ``g + wd w`` to the
+        running ``grad_sum`` of ``mean-gradient`` first, then ``g`` is
+        updated in place (the value ``g + (c - c_i)`` gives, without a new tensor)."""
         grad_sum = tensors["grad_sum"]
         grad_sum.add_(g)
         if self.wd:
             grad_sum.add_(w, alpha=self.wd)
-        return g + tensors["correction"]
+        return g.add_(tensors["correction"])
 
     def new_control_variate(self, model: torch.nn.Module) -> OrderedDict[str, torch.Tensor]:
         self._own_tensors()
