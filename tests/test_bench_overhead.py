@@ -47,12 +47,14 @@ def test_a_wrong_device_is_one_line_before_any_run(tmp_path, capsys, argv, wante
     assert not any(tmp_path.iterdir())
 
 
-def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
+@pytest.mark.parametrize("algo", ["fedavg", "scaffold"])
+def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path, algo):
     """Mode ``no-steps`` (the framework's floor under a batched round): the
     same batched run, every message and reply included, with the model left
     where it started: after 3 rounds it is the model after 1 (to float32
     rounding of the weighted mean), while the real run's moves; the
-    module's trainer is restored after."""
+    module's trainer is restored after. SCAFFOLD too (its batched end reads
+    a zero grad_sum when the trainer never asked for its step tensors)."""
     import fedaccel.clients.cohort as cohort
 
     overhead = _overhead()
@@ -64,7 +66,7 @@ def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path):
 
     runs = {}
     for name, rounds in (("one", 1), ("three", 3)):
-        ov = overhead.overrides("mlp-synthetic", "fedavg", rounds=rounds, clients=20, run_dir=tmp_path, name=name,
+        ov = overhead.overrides("mlp-synthetic", algo, rounds=rounds, clients=20, run_dir=tmp_path, name=name,
                                 mode="no-steps")
         assert ov["cohort-batching"] == "on"
         runs[name] = overhead.no_steps_run(ov, 20)

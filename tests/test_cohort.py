@@ -1014,8 +1014,9 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
 
 @pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
 @pytest.mark.parametrize("damage", ["missing", "broadcastable"])
-@pytest.mark.parametrize("store", ["context", "stacked"])
-def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(cv_update, damage, store) -> None:
+@pytest.mark.parametrize("store, bad_clients", [("context", (2,)), ("stacked", (2,)), ("stacked", "all")])
+def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(cv_update, damage, store,
+                                                                              bad_clients) -> None:
     """A ``scaffold.c`` record without one of the model's parameters, or
     with another shape (even one that would broadcast), is that client's
     own error, in its per-client round and in a batched one, where the
@@ -1035,7 +1036,8 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
     bad = [(k, a) for k, a in good.items() if damage == "broadcastable" or k != first]
     if damage == "broadcastable":
         bad = [(k, from_numpy(np.zeros(1, np.float32)) if k == first else a) for k, a in bad]
-    received = [{C_RECORD: arrays_to_record(bad) if c == 2 else good} for c in range(len(datas))]
+    bad_clients = range(len(datas)) if bad_clients == "all" else bad_clients  # all: no client begins
+    received = [{C_RECORD: arrays_to_record(bad) if c in bad_clients else good} for c in range(len(datas))]
     with pytest.raises(ContractError, match="another model|different models"):
         new_solver(cfg, model).fit(copy.deepcopy(model), datas[2], config_for("scaffold", 1),
                                    ContextState(RecordDict()), seeded_generator(cfg.seed, 1, 2, "train"), received[2])
@@ -1052,11 +1054,12 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
     fit_cohort(copy.deepcopy(model), jobs(1, [{C_RECORD: good}] * len(datas)), cfg.batch_size)
     saved = [copy.deepcopy(s.record) if store == "context" else rows.record_dict(c) for c, s in enumerate(states)]
     results = fit_cohort(copy.deepcopy(model), jobs(2, received), cfg.batch_size, errors=(ContractError,))
-    assert isinstance(results[2], ContractError)
+    assert [c for c, r in enumerate(results) if isinstance(r, ContractError)] == list(bad_clients)
+    good_clients = [c for c in (0, 3, 4) if c not in bad_clients]
     alone = [new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for("scaffold", 2),
                                         ContextState(saved[c]), seeded_generator(cfg.seed, 2, c, "train"),
-                                        received[c]) for c in (0, 3, 4)]
-    for c, want in zip((0, 3, 4), alone):
+                                        received[c]) for c in good_clients]
+    for c, want in zip(good_clients, alone):
         assert list(results[c].extra) == list(want.extra) == ["scaffold.dc"]
         for k in want.arrays.keys():
             torch.testing.assert_close(torch.from_numpy(results[c].arrays[k].numpy()),
@@ -1067,13 +1070,23 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
 
 
 @pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
-def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_as_alone(cv_update) -> None:
+@pytest.mark.parametrize("max_clients", [None, 3])
+def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_as_alone(cv_update, max_clients,
+                                                                                       monkeypatch) -> None:
     """Clients begun together in one chunk (their ``c_i`` rows of one
     stack) but trained as two groups (another learning rate each): every
     group's ``c_i``, ``c - c_i`` and ``grad_sum`` are its members' rows,
-    so each client replies what it replies alone, round after round."""
-    from fedaccel.clients.scaffold import C_RECORD
+    so each client replies what it replies alone, round after round. In
+    chunks of 3 a group's chunk mixes clients begun in different chunks
+    (rows of different stacks): each client's own rows. The stacks are
+    used, and not kept past the round."""
+    from fedaccel.clients.scaffold import C_RECORD, ScaffoldSolver
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
+    handed = []
+    real = ScaffoldSolver.cohort_step_tensors
+    monkeypatch.setattr(ScaffoldSolver, "cohort_step_tensors",
+                        lambda self, members: handed.append(real(self, members)) or handed[-1])
 
     cfg = run_cfg("scaffold", **{"batch-size": 16, "momentum": 0.0, "scaffold.cv-update": cv_update})
     model, datas = make_model(), clients()
@@ -1089,33 +1102,49 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
                           config=config_for("scaffold", server_round, lrs[c]), state=stacked[c],
                           generator=seeded_generator(cfg.seed, server_round, c, "train"), received=sent)
                 for c, d in enumerate(datas)]
-        for want, got in zip(alone, fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)):
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=max_clients)
+        assert all(j.solver._rows_of is None and j.solver._grad_sum_at is None for j in jobs)  # released
+        for want, got in zip(alone, results):
             for record, other in [(want.arrays, got.arrays), (want.extra["scaffold.dc"], got.extra["scaffold.dc"])]:
                 for k in record.keys():
                     torch.testing.assert_close(torch.from_numpy(other[k].numpy()), torch.from_numpy(record[k].numpy()),
                                                atol=ATOL, rtol=RTOL)
+    assert any(h is not None for h in handed)  # the stacks were handed to the trainer
+    assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])
-def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(store, monkeypatch) -> None:
-    """A subclass with its own ``new_control_variate`` (or ``end_round``)
-    keeps it in a batched round: the batch forms no c_i of its own for it.
-    On the stacked store its ``c_i`` and ``grad_sum`` are rows of the
-    cohort's stacks, read as its own tensors by its rule."""
+@pytest.mark.parametrize("own", ["new_control_variate", "step_tensors", "end_round"])
+def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(store, own, monkeypatch) -> None:
+    """A subclass with its own ``new_control_variate``, ``step_tensors`` or
+    ``end_round`` keeps it in a batched round, on both stores: the batch
+    forms no c_i of its own for it, and its code reads the client's own
+    ``c_i``, ``grad_sum`` and ``c - c_i`` (never rows of the cohort's stacks
+    it does not know of)."""
     from collections import OrderedDict
 
     from fedaccel.clients.scaffold import ScaffoldSolver
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
-    class Doubled(ScaffoldSolver):
+    class Doubled(ScaffoldSolver):  # c_i+ twice the rule's
         def new_control_variate(self, model):
             return OrderedDict((k, 2 * v) for k, v in super().new_control_variate(model).items())
 
+    class HalfCorrection(ScaffoldSolver):  # half the correction in the steps
+        def step_tensors(self):
+            return {"correction": [0.5 * v for v in self.correction], "grad_sum": list(self.grad_sum.values())}
+
+    class Logged(ScaffoldSolver):  # reads c_i before its end_round
+        def end_round(self, model, state):
+            self.c_i_norm = float(sum(v.abs().sum() for v in self.c_i.values()))
+            return super().end_round(model, state)
+
+    subclass = {"new_control_variate": Doubled, "step_tensors": HalfCorrection, "end_round": Logged}[own]
     cfg = run_cfg("scaffold", **{"batch-size": 16})
     model, datas = make_model(), clients()
 
     def solver():
-        s = Doubled(cfg)
+        s = subclass(cfg)
         s.initial_model = copy.deepcopy(model.state_dict())
         return s
     rows = StackedClientStates(len(datas))

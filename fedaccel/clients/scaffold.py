@@ -101,6 +101,14 @@ class _CohortStacks:
     correction: list[torch.Tensor]
 
 
+def _own_code(solver_class: type) -> bool:
+    """Whether a SCAFFOLD solver class has its own code that may read a
+    client's ``c_i``, ``grad_sum`` or ``c - c_i`` as tensors of its own
+    (then a batched begin gives it those, not rows of the cohort's stacks)."""
+    return any(getattr(solver_class, hook) is not getattr(ScaffoldSolver, hook)
+               for hook in ("begin_at_anchor", "step_tensors", "new_control_variate", "end_round"))
+
+
 class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
@@ -160,9 +168,8 @@ class ScaffoldSolver(AnchoredSolver):
         # kept as the rows of one stack per parameter, with c - c_i made for all of them at once
         layout = stored_layout(params)
         gathered = gathered_stack([o.state for o in openings], "scaffold", layout, next(iter(params.values())).device)
-        stacks = None if gathered is None or any(  # a subclass's own begin or tensors: each client's own tensors
-            (type(o.solver).begin_at_anchor, type(o.solver).step_tensors)
-            != (ScaffoldSolver.begin_at_anchor, ScaffoldSolver.step_tensors) for o in openings) else _CohortStacks()
+        stacks = None if gathered is None or any(  # a subclass's own code that may read them: each client's own
+            _own_code(type(o.solver)) for o in openings) else _CohortStacks()
         for o in openings:
             o.solver._given_c_i = stacks
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
@@ -178,7 +185,7 @@ class ScaffoldSolver(AnchoredSolver):
         if stacks is not None:
             ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
             c_i = gathered if len(ok) == len(openings) else gathered.index_select(
-                0, torch.tensor(ok, device=gathered.device))
+                0, torch.tensor(ok, dtype=torch.long, device=gathered.device))  # (none begun: no rows)
             _, sizes, shapes = split_plan(layout)
             stacks.c_i = [piece.view(len(ok), *shape) for piece, shape in zip(torch.split(c_i, sizes, dim=1), shapes)]
             solvers = [openings[k].solver for k in ok]
@@ -203,7 +210,7 @@ class ScaffoldSolver(AnchoredSolver):
         if rows == list(range(len(stacks.correction[0]) if stacks.correction else 0)):
             correction = list(stacks.correction)
         else:
-            index = torch.tensor(rows, device=stacks.correction[0].device)
+            index = torch.tensor(rows, dtype=torch.long, device=stacks.correction[0].device)
             correction = [block.index_select(0, index) for block in stacks.correction]
         grad_sum = [torch.zeros_like(block) for block in correction]
         for pos, s in enumerate(solvers):
@@ -302,7 +309,7 @@ class ScaffoldSolver(AnchoredSolver):
         if stacks is not None and all(s._rows_of is stacks for s in solvers):
             rows = [s._row for s in solvers]
             whole = rows == list(range(len(stacks.c_i[0]) if stacks.c_i else 0))  # the chunk, as it began
-            at_rows = torch.tensor(rows, device=index.device)
+            at_rows = torch.tensor(rows, dtype=torch.long, device=index.device)
 
             def c_i_of(i: int, name: str) -> torch.Tensor:
                 return stacks.c_i[i] if whole else stacks.c_i[i].index_select(0, at_rows)
