@@ -1113,6 +1113,100 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
     assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
 
 
+@pytest.mark.parametrize("algo, changes", [("feddyn", {"feddyn.alpha": 0.3}), ("fedrkmgc", {"fedrkmgc.variant": "full"})])
+@pytest.mark.parametrize("max_clients", [None, 3])
+def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, changes, max_clients,
+                                                                       monkeypatch) -> None:
+    """FedDyn's ``grad_prev`` and FedRKMGC's ``delta``, ``raw_prev`` kept as
+    the cohort's stacks on the stacked store: clients in two learning-rate
+    groups, in chunks of 3 (a group's chunk then mixes clients begun in
+    other chunks), and one client whose begin fails in round 2, reply and
+    store what they do alone, round after round; the stacks are used and
+    not kept past the round."""
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+    from fedaccel.contract import ContractError
+
+    solver_class = type(get_algorithm(algo).solver(run_cfg(algo, **changes)))
+    handed = []
+    real_tensors = solver_class.cohort_step_tensors
+    monkeypatch.setattr(solver_class, "cohort_step_tensors",
+                        lambda self, members: handed.append(real_tensors(self, members)) or handed[-1])
+    real_begin = solver_class.begin_at_anchor
+
+    def begin(self, train, state, anchor):  # client 2's begin fails in round 2, after the others' state exists
+        if train.server_round == 2 and getattr(self, "failing", False):
+            raise ContractError("a client of its own error")
+        return real_begin(self, train, state, anchor)
+    monkeypatch.setattr(solver_class, "begin_at_anchor", begin)
+
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
+    model, datas = make_model(), clients()
+    lrs = [0.1 if c % 2 == 0 else 0.05 for c in range(len(datas))]
+    store = StackedClientStates(len(datas))
+    stacked, own = [StackedRowState(store, c) for c in range(len(datas))], [ContextState(RecordDict()) for _ in datas]
+    for server_round in (1, 2, 3):
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=state_to_arrays(model),
+                          config=config_for(algo, server_round, lrs[c]), state=stacked[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received={})
+                for c, d in enumerate(datas)]
+        jobs[2].solver.failing = True
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ContractError,),
+                             max_clients=max_clients)
+        assert all(getattr(j.solver, "_rows_of", None) is None for j in jobs)  # released
+        for c, got in enumerate(results):
+            if server_round == 2 and c == 2:
+                assert isinstance(got, ContractError)
+                continue
+            want = new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for(algo, server_round, lrs[c]),
+                                              own[c], seeded_generator(cfg.seed, server_round, c, "train"), {})
+            for k in want.arrays.keys():
+                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
+                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        for c in range(len(datas)):  # the saved state: the same records (client 2 opened round 2 alone)
+            if server_round == 1 or c != 2:
+                assert set(store.record_dict(c).keys()) == set(own[c].record.keys()), (server_round, c)
+    assert any(h is not None for h in handed)  # the stacks were handed to the trainer
+    assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
+
+
+@pytest.mark.parametrize("algo", ["feddyn", "fedrkmgc"])
+def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_its_own_tensors(algo) -> None:
+    """A subclass whose ``end_round`` reads the client's state tensors
+    before its own work is given tensors of its own on the stacked store
+    too (never rows of stacks it does not know of), and replies as alone."""
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
+    base = type(get_algorithm(algo).solver(run_cfg(algo)))
+    field = "grad_prev" if algo == "feddyn" else "delta"
+
+    class Reads(base):
+        def end_round(self, model, state):
+            self.norm = float(sum(v.abs().sum() for v in getattr(self, field).values()))
+            return super().end_round(model, state)
+
+    cfg = run_cfg(algo, **{"batch-size": 16})
+    model, datas = make_model(), clients()
+
+    def solver():
+        s = Reads(cfg)
+        s.initial_model = copy.deepcopy(model.state_dict())
+        return s
+    store = StackedClientStates(len(datas))
+    own = [ContextState(RecordDict()) for _ in datas]
+    for server_round in (1, 2):
+        jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model),
+                          config=config_for(algo, server_round), state=StackedRowState(store, c),
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received={})
+                for c, d in enumerate(datas)]
+        for c, got in enumerate(fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)):
+            want = solver().fit(copy.deepcopy(model), datas[c], config_for(algo, server_round), own[c],
+                                seeded_generator(cfg.seed, server_round, c, "train"), {})
+            for k in want.arrays.keys():
+                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
+                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        assert all(j.solver.norm >= 0 for j in jobs)
+
+
 @pytest.mark.parametrize("store", ["context", "stacked"])
 @pytest.mark.parametrize("own", ["new_control_variate", "step_tensors", "end_round"])
 def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_past_it(store, own, monkeypatch) -> None:

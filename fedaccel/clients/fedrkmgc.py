@@ -44,7 +44,8 @@ from typing import TypeVar
 import torch
 
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros
+from fedaccel.clients.stacked_state import gathered_groups, select_rows
+from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros, tensor_layout
 from fedaccel.contract import TrainConfig
 
 T = TypeVar("T")
@@ -121,6 +122,27 @@ def correction_update(kind: str, delta: T, raw: T, raw_prev: T, t: int, gamma: f
     raise ValueError(f"unknown correction {kind!r}; allowed: {', '.join(CORRECTIONS)}")
 
 
+STATE_GROUPS = ("delta", "raw_prev")  # a client's saved state, in this order
+
+
+def _own_code(solver_class: type) -> bool:
+    """Whether a FedRKMGC solver class has its own code that may read a
+    client's ``delta`` or ``raw_prev`` as tensors of its own."""
+    return any(getattr(solver_class, hook) is not getattr(FedRKMGCSolver, hook)
+               for hook in ("begin_at_anchor", "step_tensors", "end_round"))
+
+
+def _stacked_rows_of(members: list) -> dict[str, list[torch.Tensor]] | None:
+    """The members' ``delta`` and ``raw_prev`` as rows of the cohort's stacks
+    (members' order) when every member's are rows of the same stacks."""
+    solvers = [m.solver for m in members]
+    stacks = getattr(solvers[0], "_rows_of", None)
+    if stacks is None or any(getattr(s, "_rows_of", None) is not stacks for s in solvers):
+        return None
+    rows = [s._row for s in solvers]
+    return {g: select_rows(stacks[g], rows) for g in STATE_GROUPS}
+
+
 class FedRKMGCSolver(AnchoredSolver):
     """Local SGD on ``g - delta``, then the (fast-)KM correction update."""
 
@@ -128,15 +150,62 @@ class FedRKMGCSolver(AnchoredSolver):
 
     def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
         """Round ``t``, the variant's correction, the anchor ``theta^t`` and the
-        saved ``delta``, ``raw_prev`` (zero at the start)."""
+        saved ``delta``, ``raw_prev`` (zero at the start); in a cohort begun
+        together on the fast runner's stacked store, those two are this
+        client's rows of the cohort's stacks (:meth:`cohort_begin_round`,
+        :meth:`_own_tensors`)."""
+        given = self.__dict__.pop("_given_state", None)  # taken before anything can raise
+        self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
+        self._rows_of = None
         self.t = paper_round_index(train.server_round)
         _, self.correction = variant_components(self.params.variant)
-        saved = groups_or_zeros(state, "fedrkmgc", ("delta", "raw_prev"), anchor)
-        self.anchor, self.delta, self.raw_prev = anchor, saved["delta"], saved["raw_prev"]
-        self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
+        self.anchor = anchor
+        if given is not None:
+            self._rows_of = given  # this client's rows: its _row, set once the cohort's stacks are made
+            return
+        saved = groups_or_zeros(state, "fedrkmgc", STATE_GROUPS, anchor)
+        self.delta, self.raw_prev = saved["delta"], saved["raw_prev"]
+
+    def _own_tensors(self) -> None:
+        """This client's ``delta`` and ``raw_prev`` as tensors of its own
+        (views of its rows) when they are rows of the cohort's stacks: for
+        per-client code (:meth:`step_tensors`, :meth:`end_round`)."""
+        stacks, self._rows_of = getattr(self, "_rows_of", None), None
+        if stacks is not None:
+            self.delta, self.raw_prev = (OrderedDict((n, block[self._row]) for n, block in zip(self.anchor, stacks[g]))
+                                         for g in STATE_GROUPS)
+
+    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
+        """:meth:`begin_at_anchor` of every opening (no model loaded); when
+        the fast runner keeps the clients' states stacked, their saved
+        ``delta`` and ``raw_prev`` are read in one gather and kept as one
+        stack per parameter (a subclass with its own ``begin_at_anchor``,
+        ``step_tensors`` or ``end_round``: tensors of each client's own)."""
+        if type(self).begin_round is not AnchoredSolver.begin_round:
+            return None
+        params = OrderedDict(model.named_parameters())
+        stacks = None if any(_own_code(type(o.solver)) for o in openings) else gathered_groups(
+            [o.state for o in openings], "fedrkmgc", STATE_GROUPS, params, next(iter(params.values())).device)
+        for o in openings:
+            o.solver._given_state = stacks
+        begun = super().cohort_begin_round(model, openings)
+        if stacks is not None:  # the begun clients' rows, in order
+            ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
+            for g in STATE_GROUPS:
+                stacks[g] = select_rows(stacks[g], ok)
+            for row, k in enumerate(ok):
+                openings[k].solver._row = row
+        return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self._own_tensors()
         return {"delta": list(self.delta.values())}
+
+    def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
+        """The members' ``delta`` as rows of :meth:`cohort_begin_round`'s
+        stacks, in the trainer's order (None: each member's own)."""
+        rows = _stacked_rows_of(members)
+        return None if rows is None else {"delta": rows["delta"]}
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """``g - delta``: the corrected local gradient (Alg. 1 lines 6-8)."""
@@ -144,15 +213,17 @@ class FedRKMGCSolver(AnchoredSolver):
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
         formed, self._formed = getattr(self, "_formed", None), None
-        if formed is not None:  # the cohort trainer's, for the whole batch (cohort_after_steps)
-            delta, raw_prev = formed
-        else:
-            beta, gamma = float(self.params.beta), float(self.params.gamma)
-            delta, raw_prev = OrderedDict(), OrderedDict()
-            for k, p in model.named_parameters():
-                raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
-                delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k],
-                                             self.t, gamma)
+        if formed is not None:  # the cohort trainer's, for the whole batch (cohort_after_steps): one flat row
+            self._rows_of = None  # the cohort's stacks are not kept past the round
+            state.put_flat("fedrkmgc", *formed)
+            return {}
+        self._own_tensors()
+        beta, gamma = float(self.params.beta), float(self.params.gamma)
+        delta, raw_prev = OrderedDict(), OrderedDict()
+        for k, p in model.named_parameters():
+            raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
+            delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k],
+                                         self.t, gamma)
         state.put("fedrkmgc", flat_groups({"delta": delta, "raw_prev": raw_prev}))
         return {}
 
@@ -167,19 +238,24 @@ class FedRKMGCSolver(AnchoredSolver):
         if any((s.t, s.correction, s.params) != (self.t, self.correction, self.params) for s in solvers):
             return
         beta, gamma = float(self.params.beta), float(self.params.gamma)
-        index = torch.tensor(rows, device=weights[0].device)
-        deltas: list[OrderedDict] = [OrderedDict() for _ in solvers]
-        raws: list[OrderedDict] = [OrderedDict() for _ in solvers]
-        for (name, _), w in zip(model.named_parameters(), weights):
+        index = torch.tensor(rows, dtype=torch.long, device=weights[0].device)
+        saved = _stacked_rows_of(members)
+        if saved is None:  # each member's own tensors, stacked
+            for s in solvers:
+                s._own_tensors()
+            saved = {g: [torch.stack([getattr(s, g)[name] for s in solvers]) for name, _ in model.named_parameters()]
+                     for g in STATE_GROUPS}
+        news, raws = [], []
+        for (name, _), w, delta, raw_prev in zip(model.named_parameters(), weights, saved["delta"], saved["raw_prev"]):
             anchor = self.shared_or_stacked([s.anchor[name] for s in solvers])
-            delta = torch.stack([s.delta[name] for s in solvers])
             raw = raw_correction(delta, w.detach().index_select(0, index), anchor, beta)
-            new = correction_update(self.correction, delta, raw, torch.stack([s.raw_prev[name] for s in solvers]),
-                                    self.t, gamma)
-            for c in range(len(solvers)):
-                deltas[c][name], raws[c][name] = new[c], raw[c]
-        for s, delta, raw in zip(solvers, deltas, raws):
-            s._formed = (delta, raw)
+            news.append(correction_update(self.correction, delta, raw, raw_prev, self.t, gamma))
+            raws.append(raw)
+        # what put(flat_groups({'delta': ..., 'raw_prev': ...})) stores, as one row per member
+        flat = torch.cat([v.reshape(len(solvers), -1) for v in news + raws], dim=1)
+        layout = tensor_layout(flat_groups({g: self.anchor for g in STATE_GROUPS}))
+        for c, s in enumerate(solvers):
+            s._formed = (flat[c], layout)
 
     def reads_trained_model(self) -> bool:
         """Not once :meth:`cohort_after_steps` formed the corrections."""

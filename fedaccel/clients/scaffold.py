@@ -37,8 +37,8 @@ from flwr.app import ArrayRecord
 
 from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import gathered_stack
-from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, split_plan, tensor_layout
+from fedaccel.clients.stacked_state import gathered_groups, select_rows
+from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout
 from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
 T = TypeVar("T")
@@ -166,10 +166,9 @@ class ScaffoldSolver(AnchoredSolver):
         params = OrderedDict(model.named_parameters())
         # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner):
         # kept as the rows of one stack per parameter, with c - c_i made for all of them at once
-        layout = stored_layout(params)
-        gathered = gathered_stack([o.state for o in openings], "scaffold", layout, next(iter(params.values())).device)
-        stacks = None if gathered is None or any(  # a subclass's own code that may read them: each client's own
-            _own_code(type(o.solver)) for o in openings) else _CohortStacks()
+        saved = None if any(_own_code(type(o.solver)) for o in openings) else gathered_groups(  # (else own tensors)
+            [o.state for o in openings], "scaffold", ("c",), params, next(iter(params.values())).device)
+        stacks = None if saved is None else _CohortStacks()
         for o in openings:
             o.solver._given_c_i = stacks
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
@@ -184,10 +183,7 @@ class ScaffoldSolver(AnchoredSolver):
         begun = super().cohort_begin_round(model, openings)
         if stacks is not None:
             ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
-            c_i = gathered if len(ok) == len(openings) else gathered.index_select(
-                0, torch.tensor(ok, dtype=torch.long, device=gathered.device))  # (none begun: no rows)
-            _, sizes, shapes = split_plan(layout)
-            stacks.c_i = [piece.view(len(ok), *shape) for piece, shape in zip(torch.split(c_i, sizes, dim=1), shapes)]
+            stacks.c_i = select_rows(saved["c"], ok)
             solvers = [openings[k].solver for k in ok]
             for row, solver in enumerate(solvers):
                 solver._row = row
@@ -206,12 +202,7 @@ class ScaffoldSolver(AnchoredSolver):
         stacks = solvers[0]._rows_of
         if stacks is None or any(s._rows_of is not stacks for s in solvers):
             return None
-        rows = [s._row for s in solvers]
-        if rows == list(range(len(stacks.correction[0]) if stacks.correction else 0)):
-            correction = list(stacks.correction)
-        else:
-            index = torch.tensor(rows, dtype=torch.long, device=stacks.correction[0].device)
-            correction = [block.index_select(0, index) for block in stacks.correction]
+        correction = select_rows(stacks.correction, [s._row for s in solvers])
         grad_sum = [torch.zeros_like(block) for block in correction]
         for pos, s in enumerate(solvers):
             s._grad_sum_at = (grad_sum, pos)
@@ -278,10 +269,10 @@ class ScaffoldSolver(AnchoredSolver):
         if 0 in steps:  # a client without steps keeps its c_i: one client at a time
             return
         index = torch.tensor(rows, device=weights[0].device)
-        c_i_of, grad_sum_of = self._cohort_rows(solvers, index)
+        c_is, grad_sums = self._cohort_rows(solvers, index)
         news, dcs = OrderedDict(), OrderedDict()
         for i, ((name, _), w) in enumerate(zip(model.named_parameters(), weights)):
-            c_i = c_i_of(i, name)
+            c_i = c_is[i]
             shape = (len(solvers),) + (1,) * (c_i.dim() - 1)
             if self.params.cv_update == "option-ii":
                 # the per-client divisor steps * lr (a Python float), rounded to the tensor's dtype as there
@@ -291,7 +282,7 @@ class ScaffoldSolver(AnchoredSolver):
                                                 w.detach().index_select(0, index), scale, 1.0)
             else:
                 scale = torch.tensor(steps, dtype=c_i.dtype, device=c_i.device).view(shape)
-                new = grad_sum_of(i, name) / scale
+                new = grad_sums[i] / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
         flat = torch.cat([v.reshape(len(solvers), -1) for v in news.values()], dim=1)  # what put stores, as rows
@@ -300,37 +291,25 @@ class ScaffoldSolver(AnchoredSolver):
             s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
 
     @staticmethod
-    def _cohort_rows(solvers: list, index: torch.Tensor):
-        """Readers of the members' ``c_i`` and ``grad_sum`` for parameter
-        ``i`` (named ``name``), stacked in the members' order: rows of the
-        cohort's stacks where every member's are (the trainer's ``grad_sum``
-        rows are its weights' rows, ``index``), else each member's own."""
+    def _cohort_rows(solvers: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The members' ``c_i`` and ``grad_sum``, one ``[C, ...]`` stack per
+        parameter in the members' order: rows of the cohort's stacks where
+        every member's are (the trainer's ``grad_sum`` rows are its weights'
+        rows, ``index``), else each member's own tensors stacked."""
+        names = list(solvers[0].x)
         stacks = solvers[0]._rows_of
         if stacks is not None and all(s._rows_of is stacks for s in solvers):
-            rows = [s._row for s in solvers]
-            whole = rows == list(range(len(stacks.c_i[0]) if stacks.c_i else 0))  # the chunk, as it began
-            at_rows = torch.tensor(rows, dtype=torch.long, device=index.device)
-
-            def c_i_of(i: int, name: str) -> torch.Tensor:
-                return stacks.c_i[i] if whole else stacks.c_i[i].index_select(0, at_rows)
+            c_i = select_rows(stacks.c_i, [s._row for s in solvers])
         else:
             for s in solvers:
                 s._own_tensors()
-
-            def c_i_of(i: int, name: str) -> torch.Tensor:
-                return torch.stack([s.c_i[name] for s in solvers])
+            c_i = [torch.stack([s.c_i[name] for s in solvers]) for name in names]
         at = [s._grad_sum_at for s in solvers]
         if all(a is not None and a[0] is at[0][0] and a[1] == r for a, r in zip(at, index.tolist())):
-
-            def grad_sum_of(i: int, name: str) -> torch.Tensor:
-                return at[0][0][i].index_select(0, index)
-        else:
-            for s in solvers:
-                s._own_tensors()
-
-            def grad_sum_of(i: int, name: str) -> torch.Tensor:
-                return torch.stack([s.grad_sum[name] for s in solvers])
-        return c_i_of, grad_sum_of
+            return c_i, select_rows(at[0][0], index.tolist())
+        for s in solvers:  # (the trainer did not ask for the stacks: each member's own, zero without steps)
+            s._own_tensors()
+        return c_i, [torch.stack([s.grad_sum[name] for s in solvers]) for name in names]
 
     def reads_trained_model(self) -> bool:
         """Not once :meth:`cohort_after_steps` formed the new ``c_i``."""

@@ -34,8 +34,8 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from fedaccel.arrays import records_of
-from fedaccel.clients.state import (ContextState, Layout, VersionedState, _check_layout, flat_size, tensor_layout,
-                                    unflatten)
+from fedaccel.clients.state import (ContextState, Layout, VersionedState, _check_layout, flat_groups, flat_size,
+                                    split_plan, tensor_layout, unflatten)
 from fedaccel.config import ConfigError
 
 EMPTY = -1  # a slot row that holds no version
@@ -311,6 +311,32 @@ def gathered_stack(states: list, name: str, layout: Layout, device: torch.device
     zero, SCAFFOLD's ``c_i``, begins from); None as there."""
     found = _gathered(states, name, layout, device)
     return None if found is None else found[0]
+
+
+def gathered_groups(states: list, name: str, groups: tuple[str, ...], params: Mapping[str, torch.Tensor],
+                    device: torch.device) -> dict[str, list[torch.Tensor]] | None:
+    """The cohort's saved ``name`` made of model-shaped ``groups`` (what
+    ``state.put(name, flat_groups({group: tensors like params}))`` stores;
+    zeros for a client without one, as :func:`groups_or_zeros` reads it), as
+    one ``[C, *shape]`` view per group and parameter of one gather; None as
+    :func:`gathered_stack`."""
+    layout = tensor_layout(flat_groups({g: params for g in groups}))
+    stack = gathered_stack(states, name, layout, device)
+    if stack is None:
+        return None
+    _, sizes, shapes = split_plan(layout)
+    pieces = [piece.view(len(states), *shape) for piece, shape in zip(torch.split(stack, sizes, dim=1), shapes)]
+    n = len(params)
+    return {g: pieces[i * n:(i + 1) * n] for i, g in enumerate(groups)}
+
+
+def select_rows(blocks: list[torch.Tensor], rows: list[int]) -> list[torch.Tensor]:
+    """Rows ``rows`` of every ``[C, ...]`` block, in that order: the blocks
+    themselves when ``rows`` is all of theirs in order (no copy)."""
+    if not blocks or rows == list(range(len(blocks[0]))):
+        return list(blocks)
+    index = torch.tensor(rows, dtype=torch.long, device=blocks[0].device)
+    return [block.index_select(0, index) for block in blocks]
 
 
 def _gathered(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
