@@ -1169,6 +1169,26 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
     assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
 
 
+def alone_and_batched(solver_class, cfg, model, datas, states, received, rounds=(1, 2)):
+    """Per round: every client's round alone (through ``fit``, on a
+    ``ContextState`` of its own kept across rounds) and the batched round of
+    fresh ``solver_class`` solvers on ``states``, as (alone, batched) lists."""
+    def solver():
+        s = solver_class(cfg)
+        s.initial_model = copy.deepcopy(model.state_dict())
+        return s
+    own = [ContextState(RecordDict()) for _ in datas]
+    for server_round in rounds:
+        alone = [solver().fit(copy.deepcopy(model), d, config_for(cfg.algo, server_round), own[c],
+                              seeded_generator(cfg.seed, server_round, c, "train"), received)
+                 for c, d in enumerate(datas)]
+        jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model),
+                          config=config_for(cfg.algo, server_round), state=states[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received=received)
+                for c, d in enumerate(datas)]
+        yield alone, fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size), jobs
+
+
 @pytest.mark.parametrize("algo", ["feddyn", "fedrkmgc"])
 def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_its_own_tensors(algo) -> None:
     """A subclass whose ``end_round`` reads the client's state tensors
@@ -1186,21 +1206,10 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
 
     cfg = run_cfg(algo, **{"batch-size": 16})
     model, datas = make_model(), clients()
-
-    def solver():
-        s = Reads(cfg)
-        s.initial_model = copy.deepcopy(model.state_dict())
-        return s
     store = StackedClientStates(len(datas))
-    own = [ContextState(RecordDict()) for _ in datas]
-    for server_round in (1, 2):
-        jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model),
-                          config=config_for(algo, server_round), state=StackedRowState(store, c),
-                          generator=seeded_generator(cfg.seed, server_round, c, "train"), received={})
-                for c, d in enumerate(datas)]
-        for c, got in enumerate(fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)):
-            want = solver().fit(copy.deepcopy(model), datas[c], config_for(algo, server_round), own[c],
-                                seeded_generator(cfg.seed, server_round, c, "train"), {})
+    for alone, batched, jobs in alone_and_batched(Reads, cfg, model, datas,
+                                                  [StackedRowState(store, c) for c in range(len(datas))], {}):
+        for want, got in zip(alone, batched):
             for k in want.arrays.keys():
                 torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
                                            torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
@@ -1236,23 +1245,10 @@ def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_pa
     subclass = {"new_control_variate": Doubled, "step_tensors": HalfCorrection, "end_round": Logged}[own]
     cfg = run_cfg("scaffold", **{"batch-size": 16})
     model, datas = make_model(), clients()
-
-    def solver():
-        s = subclass(cfg)
-        s.initial_model = copy.deepcopy(model.state_dict())
-        return s
     rows = StackedClientStates(len(datas))
-    own = [ContextState(RecordDict()) for _ in datas]
     states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
-    for server_round in (1, 2):  # the second round from c_i of the clients' own (the dc subtracts them)
-        alone = [solver().fit(copy.deepcopy(model), d, config_for("scaffold", server_round), own[c],
-                              seeded_generator(cfg.seed, server_round, c, "train"), received_for("scaffold", model))
-                 for c, d in enumerate(datas)]
-        jobs = [CohortJob(solver=solver(), data=d, arrays=state_to_arrays(model),
-                          config=config_for("scaffold", server_round), state=states[c],
-                          generator=seeded_generator(cfg.seed, server_round, c, "train"),
-                          received=received_for("scaffold", model)) for c, d in enumerate(datas)]
-        batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    # the second round from c_i of the clients' own (the dc subtracts them)
+    for alone, batched, _ in alone_and_batched(subclass, cfg, model, datas, states, received_for("scaffold", model)):
         for want, got in zip(alone, batched):
             for k in want.extra["scaffold.dc"].keys():
                 torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
