@@ -1120,9 +1120,11 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
     """FedDyn's ``grad_prev`` and FedRKMGC's ``delta``, ``raw_prev`` kept as
     the cohort's stacks on the stacked store: clients in two learning-rate
     groups, in chunks of 3 (a group's chunk then mixes clients begun in
-    other chunks), and one client whose begin fails in round 2, reply and
-    store what they do alone, round after round; the stacks are used and
-    not kept past the round."""
+    other chunks), one received model shared by most clients (FedDyn's
+    anchor expanded over them, then narrowed as clients finish) and
+    another for two of the other group, and one client whose begin fails in round 2, reply
+    and store what they do alone, round after round; the stacks are used
+    and not kept past the round."""
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
     from fedaccel.contract import ContractError
 
@@ -1141,11 +1143,17 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
 
     cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9, **changes})
     model, datas = make_model(), clients()
+    other = copy.deepcopy(model)  # clients 1 and 3 received another model (their group's anchor stacked)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    models = [other if c in (1, 3) else model for c in range(len(datas))]
     lrs = [0.1 if c % 2 == 0 else 0.05 for c in range(len(datas))]
     store = StackedClientStates(len(datas))
     stacked, own = [StackedRowState(store, c) for c in range(len(datas))], [ContextState(RecordDict()) for _ in datas]
     for server_round in (1, 2, 3):
-        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=state_to_arrays(model),
+        sent = {id(model): state_to_arrays(model), id(other): state_to_arrays(other)}  # one record for many clients
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=sent[id(models[c])],
                           config=config_for(algo, server_round, lrs[c]), state=stacked[c],
                           generator=seeded_generator(cfg.seed, server_round, c, "train"), received={})
                 for c, d in enumerate(datas)]
@@ -1157,8 +1165,9 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
             if server_round == 2 and c == 2:
                 assert isinstance(got, ContractError)
                 continue
-            want = new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for(algo, server_round, lrs[c]),
-                                              own[c], seeded_generator(cfg.seed, server_round, c, "train"), {})
+            want = new_solver(cfg, model).fit(copy.deepcopy(models[c]), datas[c],
+                                              config_for(algo, server_round, lrs[c]), own[c],
+                                              seeded_generator(cfg.seed, server_round, c, "train"), {})
             for k in want.arrays.keys():
                 torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
                                            torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)

@@ -40,13 +40,6 @@ def grad_prev_update(grad_prev: T, theta_local: T, theta_server: T, alpha: float
     return grad_prev - alpha * (theta_local - theta_server)  # type: ignore[operator]
 
 
-def _own_code(solver_class: type) -> bool:
-    """Whether a FedDyn solver class has its own code that may read a
-    client's ``grad_prev`` as tensors of its own."""
-    return any(getattr(solver_class, hook) is not getattr(FedDynSolver, hook)
-               for hook in ("begin_at_anchor", "step_tensors", "end_round"))
-
-
 def _stacked_rows_of(members: list) -> list[torch.Tensor] | None:
     """The members' ``grad_prev`` as rows of the cohort's stacks (members'
     order) when every member's are rows of the same stacks."""
@@ -89,12 +82,12 @@ class FedDynSolver(AnchoredSolver):
         """:meth:`begin_at_anchor` of every opening (no model loaded); when
         the fast runner keeps the clients' states stacked, their saved
         ``grad_prev`` is read in one gather and kept as one stack per
-        parameter (a subclass with its own ``begin_at_anchor``,
-        ``step_tensors`` or ``end_round``: tensors of each client's own)."""
+        parameter (a subclass: tensors of each client's own)."""
         if type(self).begin_round is not AnchoredSolver.begin_round:
             return None
         params = OrderedDict(model.named_parameters())
-        stacks = None if any(_own_code(type(o.solver)) for o in openings) else gathered_groups(
+        # (a subclass, whose own hooks may read grad_prev: each client's own tensors)
+        stacks = None if any(type(o.solver) is not FedDynSolver for o in openings) else gathered_groups(
             [o.state for o in openings], "feddyn", ("grad_prev",), params, next(iter(params.values())).device)
         for o in openings:
             o.solver._given_state = stacks

@@ -125,13 +125,6 @@ def correction_update(kind: str, delta: T, raw: T, raw_prev: T, t: int, gamma: f
 STATE_GROUPS = ("delta", "raw_prev")  # a client's saved state, in this order
 
 
-def _own_code(solver_class: type) -> bool:
-    """Whether a FedRKMGC solver class has its own code that may read a
-    client's ``delta`` or ``raw_prev`` as tensors of its own."""
-    return any(getattr(solver_class, hook) is not getattr(FedRKMGCSolver, hook)
-               for hook in ("begin_at_anchor", "step_tensors", "end_round"))
-
-
 def _stacked_rows_of(members: list) -> dict[str, list[torch.Tensor]] | None:
     """The members' ``delta`` and ``raw_prev`` as rows of the cohort's stacks
     (members' order) when every member's are rows of the same stacks."""
@@ -179,12 +172,12 @@ class FedRKMGCSolver(AnchoredSolver):
         """:meth:`begin_at_anchor` of every opening (no model loaded); when
         the fast runner keeps the clients' states stacked, their saved
         ``delta`` and ``raw_prev`` are read in one gather and kept as one
-        stack per parameter (a subclass with its own ``begin_at_anchor``,
-        ``step_tensors`` or ``end_round``: tensors of each client's own)."""
+        stack per parameter (a subclass: tensors of each client's own)."""
         if type(self).begin_round is not AnchoredSolver.begin_round:
             return None
         params = OrderedDict(model.named_parameters())
-        stacks = None if any(_own_code(type(o.solver)) for o in openings) else gathered_groups(
+        # (a subclass, whose own hooks may read delta or raw_prev: each client's own tensors)
+        stacks = None if any(type(o.solver) is not FedRKMGCSolver for o in openings) else gathered_groups(
             [o.state for o in openings], "fedrkmgc", STATE_GROUPS, params, next(iter(params.values())).device)
         for o in openings:
             o.solver._given_state = stacks

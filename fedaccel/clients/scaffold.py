@@ -101,14 +101,6 @@ class _CohortStacks:
     correction: list[torch.Tensor]
 
 
-def _own_code(solver_class: type) -> bool:
-    """Whether a SCAFFOLD solver class has its own code that may read a
-    client's ``c_i``, ``grad_sum`` or ``c - c_i`` as tensors of its own
-    (then a batched begin gives it those, not rows of the cohort's stacks)."""
-    return any(getattr(solver_class, hook) is not getattr(ScaffoldSolver, hook)
-               for hook in ("begin_at_anchor", "step_tensors", "new_control_variate", "end_round"))
-
-
 class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
@@ -166,7 +158,8 @@ class ScaffoldSolver(AnchoredSolver):
         params = OrderedDict(model.named_parameters())
         # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner):
         # kept as the rows of one stack per parameter, with c - c_i made for all of them at once
-        saved = None if any(_own_code(type(o.solver)) for o in openings) else gathered_groups(  # (else own tensors)
+        # (a subclass, whose own hooks may read c_i, grad_sum or c - c_i: each client's own tensors)
+        saved = None if any(type(o.solver) is not ScaffoldSolver for o in openings) else gathered_groups(
             [o.state for o in openings], "scaffold", ("c",), params, next(iter(params.values())).device)
         stacks = None if saved is None else _CohortStacks()
         for o in openings:
