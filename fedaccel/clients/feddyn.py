@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import gathered_groups, select_rows
+from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros, tensor_layout
 from fedaccel.contract import TrainConfig
 
@@ -38,16 +38,6 @@ def dynamic_gradient(theta: T, theta_server: T, grad_prev: T, alpha: float) -> T
 def grad_prev_update(grad_prev: T, theta_local: T, theta_server: T, alpha: float) -> T:
     """``grad_prev - alpha (theta_local - theta_server)`` (Acar et al., Alg. 1)."""
     return grad_prev - alpha * (theta_local - theta_server)  # type: ignore[operator]
-
-
-def _stacked_rows_of(members: list) -> list[torch.Tensor] | None:
-    """The members' ``grad_prev`` as rows of the cohort's stacks (members'
-    order) when every member's are rows of the same stacks."""
-    solvers = [m.solver for m in members]
-    stacks = getattr(solvers[0], "_rows_of", None)
-    if stacks is None or any(getattr(s, "_rows_of", None) is not stacks for s in solvers):
-        return None
-    return select_rows(stacks["grad_prev"], [s._row for s in solvers])
 
 
 class FedDynSolver(AnchoredSolver):
@@ -93,10 +83,7 @@ class FedDynSolver(AnchoredSolver):
             o.solver._given_state = stacks
         begun = super().cohort_begin_round(model, openings)
         if stacks is not None:  # the begun clients' rows, in order
-            ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
-            stacks["grad_prev"] = select_rows(stacks["grad_prev"], ok)
-            for row, k in enumerate(ok):
-                openings[k].solver._row = row
+            stacks["grad_prev"] = select_rows(stacks["grad_prev"], begun_rows(openings, begun))
         return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -108,9 +95,10 @@ class FedDynSolver(AnchoredSolver):
         stacks, in the trainer's order, and the anchor: one received model
         (the usual round) expanded over the members, not copied, else each
         member's stacked (None: each member's own tensors)."""
-        grad_prev = _stacked_rows_of(members)
-        if grad_prev is None:
+        rows = member_rows(members, ("grad_prev",))
+        if rows is None:
             return None
+        grad_prev = rows["grad_prev"]
         solvers = [m.solver for m in members]
         anchor = [self.shared_or_stacked([s.anchor[name] for s in solvers]) for name in self.anchor]
         anchor = [a.expand(len(solvers), *a.shape) if a.dim() == g.dim() - 1 else a for a, g in zip(anchor, grad_prev)]
@@ -144,8 +132,10 @@ class FedDynSolver(AnchoredSolver):
         if any(s.alpha != self.alpha for s in solvers):
             return
         index = torch.tensor(rows, dtype=torch.long, device=weights[0].device)
-        saved = _stacked_rows_of(members)
-        if saved is None:  # each member's own tensors, stacked
+        rows = member_rows(members, ("grad_prev",))
+        if rows is not None:
+            saved = rows["grad_prev"]
+        else:  # each member's own tensors, stacked
             for s in solvers:
                 s._own_tensors()
             saved = [torch.stack([s.grad_prev[name] for s in solvers]) for name, _ in model.named_parameters()]

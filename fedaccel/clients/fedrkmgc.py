@@ -44,7 +44,7 @@ from typing import TypeVar
 import torch
 
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import gathered_groups, select_rows
+from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
 from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros, tensor_layout
 from fedaccel.contract import TrainConfig
 
@@ -125,17 +125,6 @@ def correction_update(kind: str, delta: T, raw: T, raw_prev: T, t: int, gamma: f
 STATE_GROUPS = ("delta", "raw_prev")  # a client's saved state, in this order
 
 
-def _stacked_rows_of(members: list) -> dict[str, list[torch.Tensor]] | None:
-    """The members' ``delta`` and ``raw_prev`` as rows of the cohort's stacks
-    (members' order) when every member's are rows of the same stacks."""
-    solvers = [m.solver for m in members]
-    stacks = getattr(solvers[0], "_rows_of", None)
-    if stacks is None or any(getattr(s, "_rows_of", None) is not stacks for s in solvers):
-        return None
-    rows = [s._row for s in solvers]
-    return {g: select_rows(stacks[g], rows) for g in STATE_GROUPS}
-
-
 class FedRKMGCSolver(AnchoredSolver):
     """Local SGD on ``g - delta``, then the (fast-)KM correction update."""
 
@@ -183,11 +172,9 @@ class FedRKMGCSolver(AnchoredSolver):
             o.solver._given_state = stacks
         begun = super().cohort_begin_round(model, openings)
         if stacks is not None:  # the begun clients' rows, in order
-            ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
+            ok = begun_rows(openings, begun)
             for g in STATE_GROUPS:
                 stacks[g] = select_rows(stacks[g], ok)
-            for row, k in enumerate(ok):
-                openings[k].solver._row = row
         return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -197,8 +184,7 @@ class FedRKMGCSolver(AnchoredSolver):
     def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
         """The members' ``delta`` as rows of :meth:`cohort_begin_round`'s
         stacks, in the trainer's order (None: each member's own)."""
-        rows = _stacked_rows_of(members)
-        return None if rows is None else {"delta": rows["delta"]}
+        return member_rows(members, ("delta",))
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """``g - delta``: the corrected local gradient (Alg. 1 lines 6-8)."""
@@ -232,7 +218,7 @@ class FedRKMGCSolver(AnchoredSolver):
             return
         beta, gamma = float(self.params.beta), float(self.params.gamma)
         index = torch.tensor(rows, dtype=torch.long, device=weights[0].device)
-        saved = _stacked_rows_of(members)
+        saved = member_rows(members, STATE_GROUPS)
         if saved is None:  # each member's own tensors, stacked
             for s in solvers:
                 s._own_tensors()

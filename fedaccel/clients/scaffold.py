@@ -37,7 +37,7 @@ from flwr.app import ArrayRecord
 
 from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import gathered_groups, select_rows
+from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
 from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout
 from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
@@ -92,15 +92,6 @@ def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
     return tensor_layout(flat_groups({"c": params}))
 
 
-class _CohortStacks:
-    """The cohort's ``c_i`` and ``c - c_i``, one ``[C, ...]`` stack per
-    parameter (:meth:`ScaffoldSolver.cohort_begin_round`); a member's are
-    row ``solver._row``."""
-
-    c_i: list[torch.Tensor]
-    correction: list[torch.Tensor]
-
-
 class ScaffoldSolver(AnchoredSolver):
     """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
 
@@ -140,8 +131,8 @@ class ScaffoldSolver(AnchoredSolver):
         if stacks is None:
             return
         names, k = list(self.x), self._row
-        self.c_i = OrderedDict((n, block[k]) for n, block in zip(names, stacks.c_i))
-        self.correction = [block[k] for block in stacks.correction]
+        self.c_i = OrderedDict((n, block[k]) for n, block in zip(names, stacks["c_i"]))
+        self.correction = [block[k] for block in stacks["correction"]]
         at, self._grad_sum_at = self._grad_sum_at, None
         self.grad_sum = (OrderedDict((n, block[at[1]]) for n, block in zip(names, at[0])) if at is not None
                          else OrderedDict((n, torch.zeros_like(v)) for n, v in self.x.items()))
@@ -161,7 +152,8 @@ class ScaffoldSolver(AnchoredSolver):
         # (a subclass, whose own hooks may read c_i, grad_sum or c - c_i: each client's own tensors)
         saved = None if any(type(o.solver) is not ScaffoldSolver for o in openings) else gathered_groups(
             [o.state for o in openings], "scaffold", ("c",), params, next(iter(params.values())).device)
-        stacks = None if saved is None else _CohortStacks()
+        # the cohort's c_i and c - c_i, one [C, ...] stack per parameter (a member's: row solver._row)
+        stacks: dict[str, list[torch.Tensor]] | None = None if saved is None else {}
         for o in openings:
             o.solver._given_c_i = stacks
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
@@ -175,14 +167,12 @@ class ScaffoldSolver(AnchoredSolver):
             o.solver._given_c = converted.get(id(record))
         begun = super().cohort_begin_round(model, openings)
         if stacks is not None:
-            ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
-            stacks.c_i = select_rows(saved["c"], ok)
+            ok = begun_rows(openings, begun)
+            stacks["c_i"] = select_rows(saved["c"], ok)
             solvers = [openings[k].solver for k in ok]
-            for row, solver in enumerate(solvers):
-                solver._row = row
             # c - c_i, elementwise (one c, the usual round, broadcast): the bits of each client's own
-            stacks.correction = [self.shared_or_stacked([s.c[name] for s in solvers]) - block
-                                 for name, block in zip(params, stacks.c_i)] if solvers else []
+            stacks["correction"] = [self.shared_or_stacked([s.c[name] for s in solvers]) - block
+                                    for name, block in zip(params, stacks["c_i"])] if solvers else []
         return begun
 
     def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
@@ -191,11 +181,10 @@ class ScaffoldSolver(AnchoredSolver):
         parameter, which the trainer's steps add into and
         :meth:`cohort_after_steps` reads (each member's rows noted, so that
         its own :meth:`end_round` reads them too)."""
-        solvers = [m.solver for m in members]
-        stacks = solvers[0]._rows_of
-        if stacks is None or any(s._rows_of is not stacks for s in solvers):
+        rows = member_rows(members, ("correction",))
+        if rows is None:
             return None
-        correction = select_rows(stacks.correction, [s._row for s in solvers])
+        solvers, correction = [m.solver for m in members], rows["correction"]
         grad_sum = [torch.zeros_like(block) for block in correction]
         for pos, s in enumerate(solvers):
             s._grad_sum_at = (grad_sum, pos)
@@ -262,7 +251,7 @@ class ScaffoldSolver(AnchoredSolver):
         if 0 in steps:  # a client without steps keeps its c_i: one client at a time
             return
         index = torch.tensor(rows, device=weights[0].device)
-        c_is, grad_sums = self._cohort_rows(solvers, index)
+        c_is, grad_sums = self._cohort_rows(members, index)
         news, dcs = OrderedDict(), OrderedDict()
         for i, ((name, _), w) in enumerate(zip(model.named_parameters(), weights)):
             c_i = c_is[i]
@@ -284,15 +273,16 @@ class ScaffoldSolver(AnchoredSolver):
             s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
 
     @staticmethod
-    def _cohort_rows(solvers: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _cohort_rows(members: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The members' ``c_i`` and ``grad_sum``, one ``[C, ...]`` stack per
         parameter in the members' order: rows of the cohort's stacks where
         every member's are (the trainer's ``grad_sum`` rows are its weights'
         rows, ``index``), else each member's own tensors stacked."""
+        solvers = [m.solver for m in members]
         names = list(solvers[0].x)
-        stacks = solvers[0]._rows_of
-        if stacks is not None and all(s._rows_of is stacks for s in solvers):
-            c_i = select_rows(stacks.c_i, [s._row for s in solvers])
+        rows = member_rows(members, ("c_i",))
+        if rows is not None:
+            c_i = rows["c_i"]
         else:
             for s in solvers:
                 s._own_tensors()

@@ -339,6 +339,29 @@ def select_rows(blocks: list[torch.Tensor], rows: list[int]) -> list[torch.Tenso
     return [block.index_select(0, index) for block in blocks]
 
 
+def begun_rows(openings: list, begun: list) -> list[int]:
+    """The openings whose begin succeeded (their indices, in order), each
+    one's solver given ``_row``: its position among them, so its row of the
+    cohort's stacks once they are narrowed to them (:func:`select_rows`)."""
+    ok = [k for k, b in enumerate(begun) if not isinstance(b, BaseException)]
+    for row, k in enumerate(ok):
+        openings[k].solver._row = row
+    return ok
+
+
+def member_rows(members: list, groups: tuple[str, ...]) -> dict[str, list[torch.Tensor]] | None:
+    """The members' rows of the cohort's stacks (each solver's ``_rows_of``,
+    a dict of ``[C, ...]`` blocks per group, and its ``_row``) for ``groups``,
+    in the members' order; None unless every member's are rows of the same
+    stacks (then each member's own tensors)."""
+    solvers = [m.solver for m in members]
+    stacks = getattr(solvers[0], "_rows_of", None)
+    if stacks is None or any(getattr(s, "_rows_of", None) is not stacks for s in solvers):
+        return None
+    rows = [s._row for s in solvers]
+    return {g: select_rows(stacks[g], rows) for g in groups}
+
+
 def _gathered(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
     first = getattr(states[0], "store", None) if states else None
     if not isinstance(first, StackedClientStates) or any(
