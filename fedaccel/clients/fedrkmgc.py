@@ -43,9 +43,9 @@ from typing import TypeVar
 
 import torch
 
-from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
-from fedaccel.clients.state import ClientState, flat_groups, groups_or_zeros, tensor_layout
+from fedaccel.clients.stacked_solver import StackedStateSolver
+from fedaccel.clients.stacked_state import member_rows
+from fedaccel.clients.state import ClientState, flat_groups, tensor_layout
 from fedaccel.contract import TrainConfig
 
 T = TypeVar("T")
@@ -125,57 +125,20 @@ def correction_update(kind: str, delta: T, raw: T, raw_prev: T, t: int, gamma: f
 STATE_GROUPS = ("delta", "raw_prev")  # a client's saved state, in this order
 
 
-class FedRKMGCSolver(AnchoredSolver):
-    """Local SGD on ``g - delta``, then the (fast-)KM correction update."""
+class FedRKMGCSolver(StackedStateSolver):
+    """Local SGD on ``g - delta``, then the (fast-)KM correction update. The
+    saved ``delta`` and ``raw_prev`` are rows of the cohort's stacks in a
+    cohort begun together on the fast runner's stacked store
+    (:class:`StackedStateSolver`)."""
 
     state_copies = 2
+    state_name = "fedrkmgc"
+    saved_groups = state_attributes = STATE_GROUPS
 
-    def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
-        """Round ``t``, the variant's correction, the anchor ``theta^t`` and the
-        saved ``delta``, ``raw_prev`` (zero at the start); in a cohort begun
-        together on the fast runner's stacked store, those two are this
-        client's rows of the cohort's stacks (:meth:`cohort_begin_round`,
-        :meth:`_own_tensors`)."""
-        given = self.__dict__.pop("_given_state", None)  # taken before anything can raise
-        self._formed = None  # the new corrections the cohort trainer forms (cohort_after_steps)
-        self._rows_of = None
+    def begin_solver(self, train: TrainConfig, anchor: OrderedDict) -> None:
+        """Round ``t`` and the variant's correction; the anchor ``theta^t`` is ``self.anchor``."""
         self.t = paper_round_index(train.server_round)
         _, self.correction = variant_components(self.params.variant)
-        self.anchor = anchor
-        if given is not None:
-            self._rows_of = given  # this client's rows: its _row, set once the cohort's stacks are made
-            return
-        saved = groups_or_zeros(state, "fedrkmgc", STATE_GROUPS, anchor)
-        self.delta, self.raw_prev = saved["delta"], saved["raw_prev"]
-
-    def _own_tensors(self) -> None:
-        """This client's ``delta`` and ``raw_prev`` as tensors of its own
-        (views of its rows) when they are rows of the cohort's stacks: for
-        per-client code (:meth:`step_tensors`, :meth:`end_round`)."""
-        stacks, self._rows_of = getattr(self, "_rows_of", None), None
-        if stacks is not None:
-            self.delta, self.raw_prev = (OrderedDict((n, block[self._row]) for n, block in zip(self.anchor, stacks[g]))
-                                         for g in STATE_GROUPS)
-
-    def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_at_anchor` of every opening (no model loaded); when
-        the fast runner keeps the clients' states stacked, their saved
-        ``delta`` and ``raw_prev`` are read in one gather and kept as one
-        stack per parameter (a subclass: tensors of each client's own)."""
-        if type(self).begin_round is not AnchoredSolver.begin_round:
-            return None
-        params = OrderedDict(model.named_parameters())
-        # (a subclass, whose own hooks may read delta or raw_prev: each client's own tensors)
-        stacks = None if any(type(o.solver) is not FedRKMGCSolver for o in openings) else gathered_groups(
-            [o.state for o in openings], "fedrkmgc", STATE_GROUPS, params, next(iter(params.values())).device)
-        for o in openings:
-            o.solver._given_state = stacks
-        begun = super().cohort_begin_round(model, openings)
-        if stacks is not None:  # the begun clients' rows, in order
-            ok = begun_rows(openings, begun)
-            for g in STATE_GROUPS:
-                stacks[g] = select_rows(stacks[g], ok)
-        return begun
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         self._own_tensors()
@@ -191,10 +154,7 @@ class FedRKMGCSolver(AnchoredSolver):
         return g - tensors["delta"]
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
-        formed, self._formed = getattr(self, "_formed", None), None
-        if formed is not None:  # the cohort trainer's, for the whole batch (cohort_after_steps): one flat row
-            self._rows_of = None  # the cohort's stacks are not kept past the round
-            state.put_flat("fedrkmgc", *formed)
+        if self.store_formed(state) is not None:  # the cohort trainer's (cohort_after_steps): one flat row
             return {}
         self._own_tensors()
         beta, gamma = float(self.params.beta), float(self.params.gamma)
@@ -218,12 +178,7 @@ class FedRKMGCSolver(AnchoredSolver):
             return
         beta, gamma = float(self.params.beta), float(self.params.gamma)
         index = torch.tensor(rows, dtype=torch.long, device=weights[0].device)
-        saved = member_rows(members, STATE_GROUPS)
-        if saved is None:  # each member's own tensors, stacked
-            for s in solvers:
-                s._own_tensors()
-            saved = {g: [torch.stack([getattr(s, g)[name] for s in solvers]) for name, _ in model.named_parameters()]
-                     for g in STATE_GROUPS}
+        saved = self.members_saved(members, STATE_GROUPS)
         news, raws = [], []
         for (name, _), w, delta, raw_prev in zip(model.named_parameters(), weights, saved["delta"], saved["raw_prev"]):
             anchor = self.shared_or_stacked([s.anchor[name] for s in solvers])
@@ -231,11 +186,4 @@ class FedRKMGCSolver(AnchoredSolver):
             news.append(correction_update(self.correction, delta, raw, raw_prev, self.t, gamma))
             raws.append(raw)
         # what put(flat_groups({'delta': ..., 'raw_prev': ...})) stores, as one row per member
-        flat = torch.cat([v.reshape(len(solvers), -1) for v in news + raws], dim=1)
-        layout = tensor_layout(flat_groups({g: self.anchor for g in STATE_GROUPS}))
-        for c, s in enumerate(solvers):
-            s._formed = (flat[c], layout)
-
-    def reads_trained_model(self) -> bool:
-        """Not once :meth:`cohort_after_steps` formed the corrections."""
-        return getattr(self, "_formed", None) is None
+        self.hand_formed_rows(solvers, news + raws, tensor_layout(flat_groups({g: self.anchor for g in STATE_GROUPS})))

@@ -37,8 +37,9 @@ from flwr.app import ArrayRecord
 
 from fedaccel.arrays import StackedRows, arrays_to_record, deferred_row, numpy_to_record, to_numpy
 from fedaccel.clients.base import AnchoredSolver
-from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
-from fedaccel.clients.state import ClientState, Layout, flat_groups, groups_or_zeros, tensor_layout
+from fedaccel.clients.stacked_solver import StackedStateSolver
+from fedaccel.clients.stacked_state import member_rows, select_rows
+from fedaccel.clients.state import ClientState, Layout, flat_groups, tensor_layout
 from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
 T = TypeVar("T")
@@ -92,70 +93,55 @@ def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
     return tensor_layout(flat_groups({"c": params}))
 
 
-class ScaffoldSolver(AnchoredSolver):
-    """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule."""
+class ScaffoldSolver(StackedStateSolver):
+    """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule.
+    The saved ``c_i``, ``c - c_i`` and the running ``grad_sum`` are rows of
+    the cohort's stacks in a cohort begun together on the fast runner's
+    stacked store (:class:`StackedStateSolver`)."""
 
     state_copies = 1
     messages = MessageContract(to_client=(C_RECORD,), to_server=(DC_RECORD,))
     accumulators = ("grad_sum",)  # mean-gradient's running sum, per step
+    state_name = "scaffold"
+    saved_groups, state_attributes = ("c",), ("c_i",)
 
-    def begin_at_anchor(self, train: TrainConfig, state: ClientState, anchor: OrderedDict) -> None:
-        """The round's ``lr``, the anchor ``x`` (the received parameters), the
-        server's ``c`` (as :meth:`cohort_begin_round` converted it for the
-        cohort, or from this client's record), the saved ``c_i`` (zero at the
-        start), a zero ``grad_sum`` and the correction ``c - c_i``; in a
-        cohort begun together on the fast runner's stacked store, those three
-        are this client's rows of the cohort's stacks instead
-        (:meth:`cohort_begin_round`, :meth:`_own_tensors`)."""
-        # what cohort_begin_round handed over, taken before anything can raise (never left for a next round)
-        given, saved = self.__dict__.pop("_given_c", None), self.__dict__.pop("_given_c_i", None)
-        self._formed = None  # the new c_i and dc the cohort trainer forms (cohort_after_steps)
-        self._rows_of = self._grad_sum_at = None
+    def begin_solver(self, train: TrainConfig, anchor: OrderedDict) -> None:
+        """The round's ``lr``, the anchor ``x`` (the received parameters) and
+        the server's ``c`` (as :meth:`cohort_begin_round` converted it for
+        the cohort, or from this client's record)."""
+        given = self.__dict__.pop("_given_c", None)  # taken before anything can raise (never left for a next round)
+        self._grad_sum_at = None
         self.lr = train.lr
         self.wd = float(self.cfg.weight_decay)
         self.x = anchor
         self.c = given if given is not None else control_variate_like(self.received[C_RECORD], anchor)
-        if saved is not None:  # the cohort's c_i, c - c_i and grad_sum, as stacks (cohort_begin_round)
-            self._rows_of = saved  # this client's rows: its _row, set once the cohort's stacks are made
-            return
-        self.c_i = groups_or_zeros(state, "scaffold", ("c",), anchor)["c"]
-        self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in anchor.items())
-        self.correction = [self.c[k] - self.c_i[k] for k in anchor]
 
-    def _own_tensors(self) -> None:
-        """This client's ``c_i``, ``c - c_i`` and ``grad_sum`` as tensors of
-        its own (views of its rows) when they are rows of the cohort's
-        stacks: for the per-client code (:meth:`step_tensors`,
-        :meth:`end_round`), the same values :meth:`begin_at_anchor` makes."""
-        stacks, self._rows_of = self._rows_of, None
-        if stacks is None:
-            return
-        names, k = list(self.x), self._row
-        self.c_i = OrderedDict((n, block[k]) for n, block in zip(names, stacks["c_i"]))
-        self.correction = [block[k] for block in stacks["correction"]]
+    def begin_own_state(self) -> None:
+        """A zero ``grad_sum`` and the correction ``c - c_i``."""
+        self.grad_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in self.x.items())
+        self.correction = [self.c[k] - self.c_i[k] for k in self.x]
+
+    def stacks_made(self, stacks: dict[str, list[torch.Tensor]], solvers: list, params: OrderedDict) -> None:
+        """``c - c_i`` for the whole cohort, one stack per parameter: elementwise
+        (one ``c``, the usual round, broadcast), the bits of each client's own."""
+        stacks["correction"] = [self.shared_or_stacked([s.c[name] for s in solvers]) - block
+                                for name, block in zip(params, stacks["c_i"])] if solvers else []
+
+    def own_rows(self, stacks: dict[str, list[torch.Tensor]]) -> None:
+        """This client's ``c - c_i`` and ``grad_sum`` as tensors of its own:
+        views of its rows (the trainer's ``grad_sum`` rows, if it asked for
+        them: :meth:`cohort_step_tensors`), else zeros."""
+        self.correction = [block[self._row] for block in stacks["correction"]]
         at, self._grad_sum_at = self._grad_sum_at, None
-        self.grad_sum = (OrderedDict((n, block[at[1]]) for n, block in zip(names, at[0])) if at is not None
+        self.grad_sum = (OrderedDict((n, block[at[1]]) for n, block in zip(self.x, at[0])) if at is not None
                          else OrderedDict((n, torch.zeros_like(v)) for n, v in self.x.items()))
 
     def cohort_begin_round(self, model: torch.nn.Module, openings: list) -> list | None:
-        """:meth:`begin_at_anchor` of every opening (no model loaded), with
-        the server's ``c`` converted once per received record, not per
-        client; when the fast runner keeps the clients' states stacked, their
-        saved ``c_i`` are read in one gather and kept as one stack per
-        parameter, ``c - c_i`` made for all of them at once (the per-client
-        tensors only if per-client code asks: :meth:`_own_tensors`)."""
+        """:class:`StackedStateSolver`'s, with the server's ``c`` converted once
+        per received record, not per client."""
         if type(self).begin_round is not AnchoredSolver.begin_round:
             return None  # a begin_round of its own: each client's, as it is written
         params = OrderedDict(model.named_parameters())
-        # the cohort's saved c_i in one read where the states are rows of one stacked store (the fast runner):
-        # kept as the rows of one stack per parameter, with c - c_i made for all of them at once
-        # (a subclass, whose own hooks may read c_i, grad_sum or c - c_i: each client's own tensors)
-        saved = None if any(type(o.solver) is not ScaffoldSolver for o in openings) else gathered_groups(
-            [o.state for o in openings], "scaffold", ("c",), params, next(iter(params.values())).device)
-        # the cohort's c_i and c - c_i, one [C, ...] stack per parameter (a member's: row solver._row)
-        stacks: dict[str, list[torch.Tensor]] | None = None if saved is None else {}
-        for o in openings:
-            o.solver._given_c_i = stacks
         converted: dict[int, OrderedDict[str, torch.Tensor] | None] = {}
         for o in openings:
             record = o.solver.received.get(C_RECORD)
@@ -165,15 +151,7 @@ class ScaffoldSolver(AnchoredSolver):
                 except ContractError:  # each client's own begin reports it
                     converted[id(record)] = None
             o.solver._given_c = converted.get(id(record))
-        begun = super().cohort_begin_round(model, openings)
-        if stacks is not None:
-            ok = begun_rows(openings, begun)
-            stacks["c_i"] = select_rows(saved["c"], ok)
-            solvers = [openings[k].solver for k in ok]
-            # c - c_i, elementwise (one c, the usual round, broadcast): the bits of each client's own
-            stacks["correction"] = [self.shared_or_stacked([s.c[name] for s in solvers]) - block
-                                    for name, block in zip(params, stacks["c_i"])] if solvers else []
-        return begun
+        return super().cohort_begin_round(model, openings)
 
     def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
         """The members' ``c - c_i`` as rows of :meth:`cohort_begin_round`'s
@@ -217,15 +195,14 @@ class ScaffoldSolver(AnchoredSolver):
         return OrderedDict((k, s / steps) for k, s in self.grad_sum.items())
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
-        formed, self._formed = getattr(self, "_formed", None), None
+        formed = self.store_formed(state)  # the cohort trainer's (cohort_after_steps): c_i+ as one flat row
         if formed is None:
             self._own_tensors()
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
             state.put("scaffold", flat_groups({"c": new}))
-        else:  # the cohort trainer's, for the whole batch (cohort_after_steps): c_i+ as one flat row
-            flat, layout, dc = formed
-            state.put_flat("scaffold", flat, layout)
+        else:
+            (dc,) = formed
         self.correction, self.grad_sum = [], OrderedDict()
         self._rows_of = self._grad_sum_at = None  # the cohort's stacks are not kept past the round
         return {DC_RECORD: dc}
@@ -267,33 +244,21 @@ class ScaffoldSolver(AnchoredSolver):
                 new = grad_sums[i] / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
-        flat = torch.cat([v.reshape(len(solvers), -1) for v in news.values()], dim=1)  # what put stores, as rows
-        layout = stored_layout(self.x)  # the parameters' names, shapes and dtype: the new c_i's
-        for c, s in enumerate(solvers):
-            s._formed = (flat[c], layout, arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()))
+        replies = [arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()) for c in range(len(solvers))]
+        # c_i+ as what put stores, row by row (stored_layout: the parameters' names, shapes and dtype)
+        self.hand_formed_rows(solvers, list(news.values()), stored_layout(self.x), replies)
 
-    @staticmethod
-    def _cohort_rows(members: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _cohort_rows(self, members: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The members' ``c_i`` and ``grad_sum``, one ``[C, ...]`` stack per
         parameter in the members' order: rows of the cohort's stacks where
         every member's are (the trainer's ``grad_sum`` rows are its weights'
         rows, ``index``), else each member's own tensors stacked."""
         solvers = [m.solver for m in members]
         names = list(solvers[0].x)
-        rows = member_rows(members, ("c_i",))
-        if rows is not None:
-            c_i = rows["c_i"]
-        else:
-            for s in solvers:
-                s._own_tensors()
-            c_i = [torch.stack([s.c_i[name] for s in solvers]) for name in names]
+        c_i = self.members_saved(members, ("c_i",))["c_i"]
         at = [s._grad_sum_at for s in solvers]
         if all(a is not None and a[0] is at[0][0] and a[1] == r for a, r in zip(at, index.tolist())):
             return c_i, select_rows(at[0][0], index.tolist())
         for s in solvers:  # (the trainer did not ask for the stacks: each member's own, zero without steps)
             s._own_tensors()
         return c_i, [torch.stack([s.grad_sum[name] for s in solvers]) for name in names]
-
-    def reads_trained_model(self) -> bool:
-        """Not once :meth:`cohort_after_steps` formed the new ``c_i``."""
-        return getattr(self, "_formed", None) is None
