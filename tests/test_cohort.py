@@ -951,10 +951,11 @@ def _dr_round_one(cfg, model, datas, states) -> None:
     assert not any(isinstance(r, BaseException) for r in fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size))
 
 
-@pytest.mark.parametrize("store", ["context", "stacked"])
+@pytest.mark.parametrize("store, everyone_saved", [("context", False), ("stacked", False), ("stacked", True)])
 @pytest.mark.parametrize("algo, changes", [("fedcdr", {"momentum": 0.9, "fedcdr.alpha": 0.7}),
                                            ("feddr", {"feddr.prox-start": "local", "feddr.init": "zeros"})])
-def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit_for_bit(algo, changes, store) -> None:
+def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit_for_bit(algo, changes, store,
+                                                                                       everyone_saved) -> None:
     """``cohort_begin_round`` sets on every solver what its own ``begin_round``
     sets, to the bit (relaxed ``y_i``, ``xhat_i``, the anchors), and starts each
     client where ``begin_round`` leaves the model (the received model, or its
@@ -962,7 +963,8 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     whose last reply was not applied (rolled back to the initial state) and
     clients new to training. With the fast runner's stacked store
     (``store='stacked'``) the cohort's states are read in one gather, the
-    same rows each client's own read gives."""
+    same rows each client's own read gives; when every client has saved
+    state (``everyone_saved``), the stacks are the gathered rows themselves."""
     from fedaccel.clients.cohort import Opening
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
@@ -972,11 +974,14 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     rows = [5, 0, 7, 2, 1, 3, 6]  # the clients' partitions: rows in another order than the cohort's
     states = [ContextState(RecordDict()) if store == "context" else StackedRowState(stacked, rows[c])
               for c in range(len(datas))]
-    _dr_round_one(cfg, model, datas[:4], states[:4])  # clients 4..6 have never trained
+    trained = len(datas) if everyone_saved else 4  # else clients 4..6 have never trained
+    _dr_round_one(cfg, model, datas[:trained], states[:trained])
     with torch.no_grad():  # the server moved
         for p in model.parameters():
             p.add_(0.01 * torch.ones_like(p))
-    configs = [dict(config_for(algo, 2), **({"accepted-round": 0} if c == 3 else {})) for c in range(len(datas))]
+    rolled_back = () if everyone_saved else (3,)
+    configs = [dict(config_for(algo, 2), **({"accepted-round": 0} if c in rolled_back else {}))
+               for c in range(len(datas))]
     per_client_states = [ContextState(copy.deepcopy(s.record)) if store == "context"
                          else ContextState(stacked.record_dict(rows[c])) for c, s in enumerate(states)]
     gathers = []
@@ -1007,6 +1012,9 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     stacked = solvers[4].cohort_step_tensors(members)["y"]
     for i, got in enumerate(stacked):
         assert torch.equal(got, torch.stack([m.solver.step_tensors()["y"][i] for m in members]))
+    if everyone_saved:  # each its own state, not one client's for all
+        assert len({got._y_flat.sum().item() for got in solvers}) == len(datas)
+        return
     # and the cases differ: a client with saved state, a rolled-back one and a new one
     assert not torch.equal(solvers[0]._xhat_flat, solvers[3]._xhat_flat)
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)

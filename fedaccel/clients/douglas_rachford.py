@@ -45,7 +45,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedaccel.clients.base import LocalSolver
-from fedaccel.clients.stacked_state import gathered_states
+from fedaccel.clients.stacked_state import gathered_rows
 from fedaccel.clients.state import ClientState, Layout, split_plan, flat_size, tensor_layout, unflatten
 from fedaccel.config import ConfigError
 from fedaccel.contract import TrainConfig
@@ -189,7 +189,10 @@ class DouglasRachfordSolver(LocalSolver):
         initial: dict[int, tuple] = {}  # (y, x, xhat) of a client without saved state, per x0
         begun: list = [None] * len(openings)
         rows, y_rows, x_rows, xhat_rows, server_rows = [], [], [], [], []
-        gathered = gathered_states([o.state for o in openings], "dr", stored, device)  # fast runner: one read
+        found = gathered_rows([o.state for o in openings], "dr", stored, device)  # fast runner: one read
+        if found is not None and all(found[1]):  # every client's saved state: views of the one gathered stack
+            return self._begin_gathered(openings, found[0], layout, size)
+        gathered = None if found is None else [row if has else None for row, has in zip(found[0], found[1])]
         for k, o in enumerate(openings):
             try:
                 saved = o.state.get_flat("dr", stored, device) if gathered is None else gathered[k]
@@ -210,11 +213,30 @@ class DouglasRachfordSolver(LocalSolver):
             server_rows.append(received_flat[id(o.received)])
         if not rows:
             return begun
-        x_local_all = torch.stack(x_rows)
-        # one received model (the usual round) broadcasts: elementwise, the same bits
-        server = server_rows[0] if len(received_flat) == 1 else torch.stack(server_rows)
-        y_all = relax(torch.stack(y_rows), server, x_local_all, float(self.params.alpha))
-        xhat_all = torch.stack(xhat_rows)
+        server = self.shared_or_stacked(server_rows)
+        return self._begun(openings, rows, begun, layout, torch.stack(y_rows), torch.stack(x_rows),
+                           torch.stack(xhat_rows), server)
+
+    def _begin_gathered(self, openings: list, saved: torch.Tensor, layout: Layout, size: int) -> list:
+        """:meth:`cohort_begin_round` when every opening's saved state is a row
+        of ``saved`` (``[C, 3 D]``: ``y_i | x_i | xhat_i``): its column blocks
+        are the stacks, no row copied."""
+        received_flat: dict[int, torch.Tensor] = {}
+        for o in openings:
+            if id(o.received) not in received_flat:
+                received_flat[id(o.received)] = torch.cat([v.detach().reshape(-1) for v in o.received])
+        server = self.shared_or_stacked([received_flat[id(o.received)] for o in openings])
+        return self._begun(openings, list(range(len(openings))), [None] * len(openings), layout,
+                           saved[:, :size], saved[:, size:2 * size], saved[:, 2 * size:], server)
+
+    def _begun(self, openings: list, rows: list[int], begun: list, layout: Layout, y_saved: torch.Tensor,
+               x_local_all: torch.Tensor, xhat_all: torch.Tensor, server: torch.Tensor) -> list:
+        """The relax for the begun ``rows`` of ``openings`` at once (their
+        saved ``y_i``, ``x_i``, ``xhat_i`` stacked; ``server``: the one
+        received model, the usual round, broadcast, or one per row):
+        elementwise, the same bits as client by client; each solver given its
+        rows."""
+        y_all = relax(y_saved, server, x_local_all, float(self.params.alpha))
         for c, k in enumerate(rows):
             solver = openings[k].solver
             solver._layout, solver._formed = layout, None

@@ -298,7 +298,7 @@ def gathered_states(states: list, name: str, layout: Layout, device: torch.devic
     runner's). None when they are not, when one client's is kept as its own
     tensors, or when the saved state is another model's (then each client
     reads its own, and reports its own error)."""
-    found = _gathered(states, name, layout, device)
+    found = gathered_rows(states, name, layout, device)
     if found is None:
         return None
     stack, has = found
@@ -309,7 +309,7 @@ def gathered_stack(states: list, name: str, layout: Layout, device: torch.device
     """:func:`gathered_states` as the one ``[C, D]`` stack it reads, a row of
     zeros for a client without a saved ``name`` (what a state that starts at
     zero, SCAFFOLD's ``c_i``, begins from); None as there."""
-    found = _gathered(states, name, layout, device)
+    found = gathered_rows(states, name, layout, device)
     return None if found is None else found[0]
 
 
@@ -362,7 +362,9 @@ def member_rows(members: list, groups: tuple[str, ...]) -> dict[str, list[torch.
     return {g: select_rows(stacks[g], rows) for g in groups}
 
 
-def _gathered(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
+def gathered_rows(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
+    """:func:`gathered_stack` and which clients had a saved ``name`` (the
+    others' rows are zeros); None as there."""
     first = getattr(states[0], "store", None) if states else None
     if not isinstance(first, StackedClientStates) or any(
             not isinstance(state, StackedRowState) or state.store is not first for state in states):
