@@ -1206,17 +1206,23 @@ def alone_and_batched(solver_class, cfg, model, datas, states, received, rounds=
         yield alone, fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size), jobs
 
 
+@pytest.mark.parametrize("declares_state_name", [False, True])
 @pytest.mark.parametrize("algo", ["feddyn", "fedrkmgc"])
-def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_its_own_tensors(algo) -> None:
+def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_its_own_tensors(
+        algo, declares_state_name) -> None:
     """A subclass whose ``end_round`` reads the client's state tensors
     before its own work is given tensors of its own on the stacked store
-    too (never rows of stacks it does not know of), and replies as alone."""
+    too (never rows of stacks it does not know of), and replies as alone;
+    also one that declares ``state_name`` again."""
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
     base = type(get_algorithm(algo).solver(run_cfg(algo)))
     field = "grad_prev" if algo == "feddyn" else "delta"
 
     class Reads(base):
+        if declares_state_name:
+            state_name = algo
+
         def end_round(self, model, state):
             self.norm = float(sum(v.abs().sum() for v in getattr(self, field).values()))
             return super().end_round(model, state)
@@ -1226,11 +1232,53 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
     store = StackedClientStates(len(datas))
     for alone, batched, jobs in alone_and_batched(Reads, cfg, model, datas,
                                                   [StackedRowState(store, c) for c in range(len(datas))], {}):
+        assert not any(isinstance(b, BaseException) for b in batched)
         for want, got in zip(alone, batched):
             for k in want.arrays.keys():
                 torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
                                            torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
         assert all(j.solver.norm >= 0 for j in jobs)
+
+
+def test_a_scaffold_solver_whose_batched_begin_failed_keeps_nothing_of_the_cohorts_stacks() -> None:
+    """Client 2's ``scaffold.c`` is malformed in a batched round on the
+    stacked store: its begin fails, and nothing the cohort handed over
+    (``_given_state``, ``_given_c``) is left on its solver (taken before
+    anything can raise), so the same solver's next round, client by client,
+    reads its own state: the bits of a fresh solver's round."""
+    import numpy as np
+    from fedaccel.arrays import arrays_to_record
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+    from fedaccel.contract import ContractError
+
+    def arrays_bytes(result):
+        return ([(k, result.arrays[k].numpy().tobytes()) for k in result.arrays.keys()],
+                [(name, [(k, rec[k].numpy().tobytes()) for k in rec.keys()]) for name, rec in result.extra.items()])
+
+    cfg = run_cfg("scaffold", **{"batch-size": 16})
+    model, datas = make_model(), clients()
+    good = received_for("scaffold", model)[C_RECORD]
+    first = next(iter(good.keys()))
+    bad = arrays_to_record([(k, from_numpy(np.zeros(1, np.float32)) if k == first else a) for k, a in good.items()])
+    store = StackedClientStates(len(datas))
+    states = [StackedRowState(store, c) for c in range(len(datas))]
+    for server_round in (1, 2):
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=state_to_arrays(model),
+                          config=config_for("scaffold", server_round), state=states[c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"),
+                          received={C_RECORD: bad if (server_round == 2 and c == 2) else good})
+                for c, d in enumerate(datas)]
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ContractError,))
+    assert isinstance(results[2], ContractError)
+    assert not any(isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
+    failed = jobs[2].solver
+    assert "_given_state" not in failed.__dict__ and "_given_c" not in failed.__dict__
+    saved = store.record_dict(2)
+    reused, fresh = (solver.fit(copy.deepcopy(model), datas[2], config_for("scaffold", 2),
+                                ContextState(copy.deepcopy(saved)), seeded_generator(cfg.seed, 2, 2, "train"),
+                                {C_RECORD: good})
+                     for solver in (failed, new_solver(cfg, model)))
+    assert arrays_bytes(reused) == arrays_bytes(fresh)
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])

@@ -16,9 +16,10 @@ The batched end of the round (the algorithm's ``cohort_after_steps``) forms
 every member's new state as one flat row (:meth:`~StackedStateSolver.hand_formed_rows`),
 which ``end_round`` only stores (:meth:`~StackedStateSolver.store_formed`).
 
-Only the class that declares ``state_name`` keeps rows of the stacks; any
-subclass of it keeps tensors of each client's own, since any of its own
-hooks may read them.
+Only the class that first declares ``state_name`` keeps rows of the stacks
+(:func:`keeps_rows_of_stacks`); any subclass of it keeps tensors of each
+client's own, since any of its own hooks may read or write them (also one
+that declares ``state_name`` again).
 
 Written by hand: the stacked store is this project's (Flower keeps one
 RecordDict per Context).
@@ -35,6 +36,14 @@ from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.stacked_state import begun_rows, gathered_groups, member_rows, select_rows
 from fedaccel.clients.state import ClientState, Layout, groups_or_zeros
 from fedaccel.contract import TrainConfig
+
+
+def keeps_rows_of_stacks(cls: type) -> bool:
+    """Whether ``cls`` is the class that first declares ``state_name`` (no
+    class above it does): its hooks are the ones written for rows of the
+    cohort's stacks. A subclass of it is not, even one that declares
+    ``state_name`` again."""
+    return "state_name" in vars(cls) and not any("state_name" in vars(base) for base in cls.__mro__[1:])
 
 
 class StackedStateSolver(AnchoredSolver):
@@ -104,12 +113,12 @@ class StackedStateSolver(AnchoredSolver):
         the fast runner keeps the clients' states stacked, their saved groups
         are read in one gather and kept as one stack per group and parameter,
         narrowed to the clients whose begin succeeded (a subclass of the
-        declaring class: tensors of each client's own)."""
+        declaring class: tensors of each client's own, :func:`keeps_rows_of_stacks`)."""
         if type(self).begin_round is not AnchoredSolver.begin_round:
             return None  # a begin_round of its own: each client's, as it is written
         params = OrderedDict(model.named_parameters())
         stacks = None
-        if all("state_name" in type(o.solver).__dict__ for o in openings):
+        if all(keeps_rows_of_stacks(type(o.solver)) for o in openings):
             gathered = gathered_groups([o.state for o in openings], self.state_name, self.saved_groups, params,
                                        next(iter(params.values())).device)
             if gathered is not None:
