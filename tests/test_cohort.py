@@ -1020,6 +1020,84 @@ def test_douglas_rachford_rounds_begun_together_are_each_clients_begin_round_bit
     assert torch.equal(solvers[3]._xhat_flat, solvers[5]._xhat_flat)
 
 
+def _dr_stacked_round(cfg, model, datas, store, server_round, received_models, chunk):
+    """A batched Douglas-Rachford round of ``datas`` on the stacked ``store``
+    (partitions ``DR_PIDS``), client ``c`` sent ``received_models[c % n]``."""
+    from fedaccel.clients.stacked_state import StackedRowState
+
+    x0 = copy.deepcopy(model.state_dict())
+    records = [state_to_arrays(m) for m in received_models]
+    jobs = []
+    for c, data in enumerate(datas):
+        solver = new_solver(cfg, model)
+        solver.initial_model = x0
+        jobs.append(CohortJob(solver=solver, data=data, arrays=records[c % len(records)],
+                              config=config_for(cfg.algo, server_round), state=StackedRowState(store, DR_PIDS[c]),
+                              generator=seeded_generator(cfg.seed, server_round, c, "train")))
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=chunk)
+    assert not any(isinstance(r, BaseException) for r in results)
+    return results
+
+
+def _dr_round_bits(results, store) -> tuple:
+    """The replies' bytes and metrics, and every written row and tag of ``store``."""
+    replies = [([(k, a.numpy().tobytes()) for k, a in r.arrays.items()], dict(r.metrics)) for r in results]
+    rows = {name: [[(pid, slot[pid].numpy().tobytes()) for pid, version in enumerate(held) if version != -1]
+                   for slot, held in zip(slots.slots, slots.version)] for name, slots in store.names.items()}
+    return replies, rows, store.tags.tolist()
+
+
+DR_PIDS = [5, 0, 7, 2, 1, 3, 6]  # the clients' partitions: rows in another order than the cohort's
+
+
+@pytest.mark.parametrize("algo, changes", [
+    ("fedcdr", {"momentum": 0.9, "fedcdr.alpha": 0.7}),
+    ("fedcdr", {"fedcdr.prox-start": "local", "fedcdr.alpha": 0.7}),
+    ("feddr", {"feddr.prox-start": "local", "feddr.init": "zeros"}),
+])
+@pytest.mark.parametrize("received, chunk", [(1, None), (3, None), (3, 3)])
+def test_a_douglas_rachford_cohort_that_all_saved_state_begins_from_the_gathered_stack_as_row_by_row(
+        algo, changes, received, chunk, monkeypatch) -> None:
+    """Rounds 2 and 3 of a cohort in which every client has saved state on
+    the stacked store begin from the column blocks of the one gathered stack
+    (``_begin_gathered``, once per chunk), and give the bits of the same
+    rounds begun from each client's own read: every reply, metric, stored
+    row and tag; with one received model or three (clients sent different
+    models relax against their own), whole and in chunks of 3."""
+    from fedaccel.clients import douglas_rachford as dr
+    from fedaccel.clients.stacked_state import StackedClientStates
+
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
+    model, datas = make_model(), clients()
+    store = StackedClientStates(len(datas) + 2)
+    _dr_stacked_round(cfg, model, datas, store, 1, [model], chunk)
+    moved = []  # the server moved; with several models, client c got moved[c % received]
+    for i in range(1, received + 1):
+        moved.append(copy.deepcopy(model))
+        with torch.no_grad():
+            for p in moved[-1].parameters():
+                p.add_(0.01 * i)
+    row_by_row = copy.deepcopy(store)
+    calls = []
+    real = dr.DouglasRachfordSolver._begin_gathered
+
+    def begin_gathered(self, openings, saved, *args):
+        begun = real(self, openings, saved, *args)
+        kept = [o.solver._y_flat for o in openings] + [o.solver._xhat_flat for o in openings] + [
+            t for start in begun if start is not None for t in start]
+        # nothing kept through the round holds the gathered stack (3 D values a client)
+        assert saved.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in kept}
+        calls.append(1)
+        return begun
+    monkeypatch.setattr(dr.DouglasRachfordSolver, "_begin_gathered", begin_gathered)
+    gathered = [_dr_round_bits(_dr_stacked_round(cfg, model, datas, store, r, moved, chunk), store) for r in (2, 3)]
+    assert len(calls) == 2 * (1 if chunk is None else -(-len(datas) // chunk))
+    monkeypatch.setattr(dr, "gathered_rows", lambda *args: None)  # each client's own read
+    alone = [_dr_round_bits(_dr_stacked_round(cfg, model, datas, row_by_row, r, moved, chunk), row_by_row)
+             for r in (2, 3)]
+    assert gathered == alone
+
+
 @pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
 @pytest.mark.parametrize("damage", ["missing", "broadcastable"])
 @pytest.mark.parametrize("store, bad_clients", [("context", (2,)), ("stacked", (2,)), ("stacked", "all")])

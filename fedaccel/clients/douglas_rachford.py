@@ -220,14 +220,21 @@ class DouglasRachfordSolver(LocalSolver):
     def _begin_gathered(self, openings: list, saved: torch.Tensor, layout: Layout, size: int) -> list:
         """:meth:`cohort_begin_round` when every opening's saved state is a row
         of ``saved`` (``[C, 3 D]``: ``y_i | x_i | xhat_i``): its column blocks
-        are the stacks, no row copied."""
+        are the stacks, copied as blocks, not stacked again row by row. The
+        blocks kept through the round (``xhat_i``; ``x_i``, the clients'
+        starts, with ``prox-start='local'``) are copies of their own, so that
+        the gathered stack is freed after the relax (else its views would
+        hold all of it, twice the state the round needs)."""
         received_flat: dict[int, torch.Tensor] = {}
         for o in openings:
             if id(o.received) not in received_flat:
                 received_flat[id(o.received)] = torch.cat([v.detach().reshape(-1) for v in o.received])
         server = self.shared_or_stacked([received_flat[id(o.received)] for o in openings])
+        x_local_all = saved[:, size:2 * size]
+        if any(o.solver.params.prox_start == "local" for o in openings):
+            x_local_all = x_local_all.clone()
         return self._begun(openings, list(range(len(openings))), [None] * len(openings), layout,
-                           saved[:, :size], saved[:, size:2 * size], saved[:, 2 * size:], server)
+                           saved[:, :size], x_local_all, saved[:, 2 * size:].clone(), server)
 
     def _begun(self, openings: list, rows: list[int], begun: list, layout: Layout, y_saved: torch.Tensor,
                x_local_all: torch.Tensor, xhat_all: torch.Tensor, server: torch.Tensor) -> list:
