@@ -199,20 +199,20 @@ def test_the_fast_runners_restore_clears_every_client_then_loads_the_saved_ones(
 
 
 def test_a_cohort_is_gathered_only_from_one_store_and_its_own_layout():
-    from fedaccel.clients.stacked_state import gathered_states
+    from fedaccel.clients.stacked_state import gathered_rows
 
     store, elsewhere = StackedClientStates(3), StackedClientStates(3)
     states = [StackedRowState(store, p) for p in range(3)]
     for state in states[:2]:
         state.put("s", state_of("s", 1, flat=True))
     layout = tensor_layout(FLAT)
-    got = gathered_states(states, "s", layout, CPU)
-    assert [g is None for g in got] == [False, False, True]
-    assert all(torch.equal(g, s.get_flat("s", layout, CPU)) for g, s in zip(got[:2], states))
-    assert gathered_states(states[:2] + [StackedRowState(elsewhere, 2)], "s", layout, CPU) is None
-    assert gathered_states(states[:2] + [ContextState(RecordDict())], "s", layout, CPU) is None
+    stack, has = gathered_rows(states, "s", layout, CPU)
+    assert has == [True, True, False] and not stack[2].any()
+    assert all(torch.equal(g, s.get_flat("s", layout, CPU)) for g, s in zip(stack[:2], states))
+    assert gathered_rows(states[:2] + [StackedRowState(elsewhere, 2)], "s", layout, CPU) is None
+    assert gathered_rows(states[:2] + [ContextState(RecordDict())], "s", layout, CPU) is None
     # another model's state: no gather; each client's own read refuses it in one line
-    assert gathered_states(states, "s", tensor_layout(OTHER), CPU) is None
+    assert gathered_rows(states, "s", tensor_layout(OTHER), CPU) is None
     with pytest.raises(ConfigError, match="not this model's"):
         states[0].get_flat("s", tensor_layout(OTHER), CPU)
 

@@ -185,10 +185,9 @@ class DouglasRachfordSolver(LocalSolver):
                        for o in openings)):
             return None
         device, size, stored = next(model.parameters()).device, flat_size(layout), stored_layout(layout)
-        received_flat: dict[int, torch.Tensor] = {}  # one flat x per received record
         initial: dict[int, tuple] = {}  # (y, x, xhat) of a client without saved state, per x0
         begun: list = [None] * len(openings)
-        rows, y_rows, x_rows, xhat_rows, server_rows = [], [], [], [], []
+        rows, y_rows, x_rows, xhat_rows = [], [], [], []
         found = gathered_rows([o.state for o in openings], "dr", stored, device)  # fast runner: one read
         if found is not None and all(found[1]):  # every client's saved state: views of the one gathered stack
             return self._begin_gathered(openings, found[0], layout, size)
@@ -206,16 +205,12 @@ class DouglasRachfordSolver(LocalSolver):
             except Exception as err:  # noqa: BLE001 - returned as that client's own error
                 begun[k] = err
                 continue
-            if id(o.received) not in received_flat:
-                received_flat[id(o.received)] = torch.cat([v.detach().reshape(-1) for v in o.received])
             rows.append(k)
             y_rows.append(y), x_rows.append(x_local), xhat_rows.append(xhat)
-            server_rows.append(received_flat[id(o.received)])
         if not rows:
             return begun
-        server = self.shared_or_stacked(server_rows)
         return self._begun(openings, rows, begun, layout, torch.stack(y_rows), torch.stack(x_rows),
-                           torch.stack(xhat_rows), server)
+                           torch.stack(xhat_rows))
 
     def _begin_gathered(self, openings: list, saved: torch.Tensor, layout: Layout, size: int) -> list:
         """:meth:`cohort_begin_round` when every opening's saved state is a row
@@ -225,24 +220,25 @@ class DouglasRachfordSolver(LocalSolver):
         starts, with ``prox-start='local'``) are copies of their own, so that
         the gathered stack is freed after the relax (else its views would
         hold all of it, twice the state the round needs)."""
-        received_flat: dict[int, torch.Tensor] = {}
-        for o in openings:
-            if id(o.received) not in received_flat:
-                received_flat[id(o.received)] = torch.cat([v.detach().reshape(-1) for v in o.received])
-        server = self.shared_or_stacked([received_flat[id(o.received)] for o in openings])
         x_local_all = saved[:, size:2 * size]
         if any(o.solver.params.prox_start == "local" for o in openings):
             x_local_all = x_local_all.clone()
         return self._begun(openings, list(range(len(openings))), [None] * len(openings), layout,
-                           saved[:, :size], x_local_all, saved[:, 2 * size:].clone(), server)
+                           saved[:, :size], x_local_all, saved[:, 2 * size:].clone())
 
     def _begun(self, openings: list, rows: list[int], begun: list, layout: Layout, y_saved: torch.Tensor,
-               x_local_all: torch.Tensor, xhat_all: torch.Tensor, server: torch.Tensor) -> list:
+               x_local_all: torch.Tensor, xhat_all: torch.Tensor) -> list:
         """The relax for the begun ``rows`` of ``openings`` at once (their
-        saved ``y_i``, ``x_i``, ``xhat_i`` stacked; ``server``: the one
-        received model, the usual round, broadcast, or one per row):
-        elementwise, the same bits as client by client; each solver given its
-        rows."""
+        saved ``y_i``, ``x_i``, ``xhat_i`` stacked) against each one's
+        received model (one flat copy per received record; the one received
+        model of the usual round broadcast): elementwise, the same bits as
+        client by client; each solver given its rows."""
+        flat: dict[int, torch.Tensor] = {}
+        for k in rows:
+            received = openings[k].received
+            if id(received) not in flat:
+                flat[id(received)] = torch.cat([v.detach().reshape(-1) for v in received])
+        server = self.shared_or_stacked([flat[id(openings[k].received)] for k in rows])
         y_all = relax(y_saved, server, x_local_all, float(self.params.alpha))
         for c, k in enumerate(rows):
             solver = openings[k].solver

@@ -291,39 +291,18 @@ class StackedRowState(VersionedState):
         self.store.tagged[self.pid] = True
 
 
-def gathered_states(states: list, name: str, layout: Layout, device: torch.device) -> list | None:
-    """Each client's latest ``name`` (what ``state.get_flat(name, layout,
-    device)`` reads; None: none saved), read for all of them in one gather
-    when every state is a row of one :class:`StackedClientStates` (the fast
-    runner's). None when they are not, when one client's is kept as its own
-    tensors, or when the saved state is another model's (then each client
-    reads its own, and reports its own error)."""
-    found = gathered_rows(states, name, layout, device)
-    if found is None:
-        return None
-    stack, has = found
-    return [stack[k] if has[k] else None for k in range(len(states))]
-
-
-def gathered_stack(states: list, name: str, layout: Layout, device: torch.device) -> torch.Tensor | None:
-    """:func:`gathered_states` as the one ``[C, D]`` stack it reads, a row of
-    zeros for a client without a saved ``name`` (what a state that starts at
-    zero, SCAFFOLD's ``c_i``, begins from); None as there."""
-    found = gathered_rows(states, name, layout, device)
-    return None if found is None else found[0]
-
-
 def gathered_groups(states: list, name: str, groups: tuple[str, ...], params: Mapping[str, torch.Tensor],
                     device: torch.device) -> dict[str, list[torch.Tensor]] | None:
     """The cohort's saved ``name`` made of model-shaped ``groups`` (what
     ``state.put(name, flat_groups({group: tensors like params}))`` stores;
     zeros for a client without one, as :func:`groups_or_zeros` reads it), as
     one ``[C, *shape]`` view per group and parameter of one gather; None as
-    :func:`gathered_stack`."""
+    :func:`gathered_rows`."""
     layout = tensor_layout(flat_groups({g: params for g in groups}))
-    stack = gathered_stack(states, name, layout, device)
-    if stack is None:
+    found = gathered_rows(states, name, layout, device)
+    if found is None:
         return None
+    stack = found[0]
     _, sizes, shapes = split_plan(layout)
     pieces = [piece.view(len(states), *shape) for piece, shape in zip(torch.split(stack, sizes, dim=1), shapes)]
     n = len(params)
@@ -363,8 +342,14 @@ def member_rows(members: list, groups: tuple[str, ...]) -> dict[str, list[torch.
 
 
 def gathered_rows(states: list, name: str, layout: Layout, device: torch.device) -> tuple[torch.Tensor, list[bool]] | None:
-    """:func:`gathered_stack` and which clients had a saved ``name`` (the
-    others' rows are zeros); None as there."""
+    """Every client's latest ``name`` (what ``state.get_flat(name, layout,
+    device)`` reads) as the rows of one ``[C, D]`` stack, read for all of
+    them in one gather, and which clients had one (the others' rows are
+    zeros: what a state that starts at zero, SCAFFOLD's ``c_i``, begins
+    from). None when the states are not all rows of one
+    :class:`StackedClientStates` (the fast runner's), when one client's is
+    kept as its own tensors, or when the saved state is another model's
+    (then each client reads its own, and reports its own error)."""
     first = getattr(states[0], "store", None) if states else None
     if not isinstance(first, StackedClientStates) or any(
             not isinstance(state, StackedRowState) or state.store is not first for state in states):
