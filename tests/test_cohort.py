@@ -1291,7 +1291,8 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
     """A subclass whose ``end_round`` reads the client's state tensors
     before its own work is given tensors of its own on the stacked store
     too (never rows of stacks it does not know of), and replies as alone;
-    also one that declares ``state_name`` again."""
+    also one that declares ``state_name`` again, a record name of its own
+    (its state is written and read back under that name)."""
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
     base = type(get_algorithm(algo).solver(run_cfg(algo)))
@@ -1299,7 +1300,7 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
 
     class Reads(base):
         if declares_state_name:
-            state_name = algo
+            state_name = f"own-{algo}"
 
         def end_round(self, model, state):
             self.norm = float(sum(v.abs().sum() for v in getattr(self, field).values()))
@@ -1316,6 +1317,8 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
                 torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
                                            torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
         assert all(j.solver.norm >= 0 for j in jobs)
+    name = f"own-{algo}" if declares_state_name else algo  # the state is kept under the class's own name
+    assert {key.split(".")[2] for key in store.record_dict(0).keys() if key.count(".") >= 2} == {name}
 
 
 def test_a_new_solver_with_saved_state_is_batched_on_the_stacked_store_by_declaring_it() -> None:

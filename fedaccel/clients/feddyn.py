@@ -81,7 +81,7 @@ class FedDynSolver(StackedStateSolver):
         self._own_tensors()
         formed = OrderedDict((k, grad_prev_update(self.grad_prev[k], p.detach(), self.anchor[k], self.alpha))
                              for k, p in model.named_parameters())
-        state.put("feddyn", flat_groups({"grad_prev": formed}))
+        state.put(self.state_name, flat_groups({"grad_prev": formed}))
         return {}
 
     def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],

@@ -163,7 +163,7 @@ class FedRKMGCSolver(StackedStateSolver):
             raw_prev[k] = raw_correction(self.delta[k], p.detach(), self.anchor[k], beta)
             delta[k] = correction_update(self.correction, self.delta[k], raw_prev[k], self.raw_prev[k],
                                          self.t, gamma)
-        state.put("fedrkmgc", flat_groups({"delta": delta, "raw_prev": raw_prev}))
+        state.put(self.state_name, flat_groups({"delta": delta, "raw_prev": raw_prev}))
         return {}
 
     def cohort_after_steps(self, model: torch.nn.Module, members: list, weights: list[torch.Tensor],

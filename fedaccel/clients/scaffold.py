@@ -200,7 +200,7 @@ class ScaffoldSolver(StackedStateSolver):
             self._own_tensors()
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
-            state.put("scaffold", flat_groups({"c": new}))
+            state.put(self.state_name, flat_groups({"c": new}))
         else:
             (dc,) = formed
         self.correction, self.grad_sum = [], OrderedDict()
