@@ -1139,7 +1139,7 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
     # a first round with the right c gives every client a c_i of its own, then client 2 gets a damaged c
     fit_cohort(copy.deepcopy(model), jobs(1, [{C_RECORD: good}] * len(datas)), cfg.batch_size)
     saved = [copy.deepcopy(s.record) if store == "context" else rows.record_dict(c) for c, s in enumerate(states)]
-    results = fit_cohort(copy.deepcopy(model), jobs(2, received), cfg.batch_size, errors=(ContractError,))
+    results = fit_cohort(copy.deepcopy(model), jobs(2, received), cfg.batch_size)
     assert [c for c, r in enumerate(results) if isinstance(r, ContractError)] == list(bad_clients)
     good_clients = [c for c in (0, 3, 4) if c not in bad_clients]
     alone = [new_solver(cfg, model).fit(copy.deepcopy(model), datas[c], config_for("scaffold", 2),
@@ -1244,7 +1244,7 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
                           generator=seeded_generator(cfg.seed, server_round, c, "train"), received={})
                 for c, d in enumerate(datas)]
         jobs[2].solver.failing = True
-        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ContractError,),
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size,
                              max_clients=max_clients)
         assert all(getattr(j.solver, "_rows_of", None) is None for j in jobs)  # released
         for c, got in enumerate(results):
@@ -1409,7 +1409,7 @@ def test_a_scaffold_solver_whose_batched_begin_failed_keeps_nothing_of_the_cohor
                           generator=seeded_generator(cfg.seed, server_round, c, "train"),
                           received={C_RECORD: bad if (server_round == 2 and c == 2) else good})
                 for c, d in enumerate(datas)]
-        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ContractError,))
+        results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
     assert isinstance(results[2], ContractError)
     assert not any(isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
     failed = jobs[2].solver
@@ -1494,7 +1494,7 @@ def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batch
                       config=config_for("fedcdr", 2), state=state,
                       generator=seeded_generator(cfg.seed, 2, c, "train"))
             for c, (data, state) in enumerate(zip(datas, states))]
-    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, errors=(ConfigError,))
+    results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
     assert isinstance(results[2], ConfigError) and wanted in str(results[2])
     assert all(not isinstance(r, BaseException) for c, r in enumerate(results) if c != 2)
 

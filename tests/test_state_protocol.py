@@ -287,6 +287,30 @@ def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp
     assert all(log.failures >= 1 for r, log in logs.items() if r in FAULTS)
 
 
+@pytest.mark.parametrize("algo", ["scaffold", "fedcdr"])
+def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, algo):
+    """A bug (not a user error) raised by one client's own code in a batched
+    round, after its state was opened: that client alone gets Flower's
+    error reply and rolls back; the others train, and server and clients
+    agree every round (``check_invariant``), as one client after another."""
+    from fedaccel.clients.base import LocalSolver
+
+    real, calls = LocalSolver.close_round, []
+
+    def close_round(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) in (4, 8):  # the first client of rounds 2 and 3 (3 a round, stragglers dropped)
+            raise RuntimeError("boom")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(LocalSolver, "close_round", close_round)
+    grid, experiment, _ = run_with_faults(tmp_path, algo, {}, rounds=4, cohort=True,
+                                          **{"straggler-fraction": 0.0})
+    assert grid.batched_messages >= 4 * 3
+    logs = experiment.strategy.rounds
+    assert [logs[r].failures for r in sorted(logs)] == [0, 1, 1, 0]
+    assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 3]
+
+
 def test_late_reply_past_the_round_timeout(tmp_path):
     """A reply that arrives after round-timeout is never applied; the client
     rolls back when it is next selected."""

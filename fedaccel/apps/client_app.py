@@ -353,13 +353,26 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
             generator=generator, received=_received(msg)))
         where.append(i)
     if jobs:
-        results = fit_cohort(shared.model, jobs, shared.cfg.batch_size, errors=REPLY_ERRORS,
+        results = fit_cohort(shared.model, jobs, shared.cfg.batch_size,
                              max_clients=cohort_chunk(shared), upload_room=upload_room(shared))
         for i, result in zip(where, results):
             msg, context = items[i]
-            replies[i] = (user_error_reply(msg, context, result) if isinstance(result, BaseException)
-                          else _train_reply(msg, result))
+            replies[i] = (_train_reply(msg, result) if not isinstance(result, BaseException)
+                          else user_error_reply(msg, context, result) if isinstance(result, REPLY_ERRORS)
+                          else _bug_reply(msg, context, result))
     return replies  # type: ignore[return-value]
+
+
+def _bug_reply(msg: Message, context: Context, err: BaseException) -> Message:
+    """The reply of a client whose code raised something other than a user
+    error (a bug): Flower's reply for a ClientApp exception, its traceback in
+    this node's log (the first time this process sees that error; later at
+    DEBUG), whether its clients train batched or one after another."""
+    reply = exception_reply(msg, err)
+    cause = f"raised: {reply.error.reason}"
+    log(DEBUG if cause in _REPORTED else ERROR, "[fedaccel] %s raised", node_label(context), exc_info=err)
+    _REPORTED.add(cause)
+    return reply
 
 
 def _partition_key(context: Context, index: int) -> tuple[int, int, int]:
@@ -413,8 +426,7 @@ def _each_client(handler: Callable[[Message, Context], Message],
         try:
             replies.append(handler(message, ctx))
         except Exception as err:  # noqa: BLE001 - one client's bug is its own error reply
-            log(ERROR, "[fedaccel] %s raised", node_label(ctx), exc_info=True)
-            replies.append(exception_reply(message, err))
+            replies.append(_bug_reply(message, ctx, err))
     return replies
 
 

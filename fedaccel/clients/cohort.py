@@ -590,7 +590,6 @@ def keeps_uploads_on_device(chunk: int, clients: int, model_bytes: int, upload_r
 
 
 def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
-               errors: tuple[type[BaseException], ...] = (),
                max_clients: int | None = None,
                upload_room: int | None = None) -> list[LocalResult | BaseException]:
     """:meth:`LocalSolver.fit` for every job, the local steps batched.
@@ -608,8 +607,13 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     ``max_clients`` at a time (chunks one after another: each client's
     gradient is its own, so chunking changes memory and, where the machine's batched
     matrix products round by batch size, float32 rounding: docs/cohort-batching.md). An
-    exception of a type in ``errors`` raised for one job is returned in its
-    place (that client's error reply); the others go on. ``upload_room``:
+    exception raised by one job's own work (its ``open_round``, begin,
+    ``before_steps`` or ``close_round``, or one a solver's cohort hook
+    returned for that client alone) is returned in its place, whatever its
+    type: that client fails alone, as it would one client after another (the
+    caller turns a user error into its error reply, anything else into the
+    reply Flower gives for an exception); the others go on. Only an exception
+    of the shared batched steps fails every job. ``upload_room``:
     the bytes the round's built uploads may take on the training device
     (:func:`keeps_uploads_on_device`)."""
     out: list[LocalResult | BaseException | None] = [None] * len(jobs)
@@ -640,7 +644,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 train = job.solver.open_round(model, job.config, job.state, job.received, begin=False)
             else:  # as in fit (an open_round of the solver's own need not know begin=)
                 train = job.solver.open_round(model, job.config, job.state, job.received)
-        except errors as err:
+        except Exception as err:  # noqa: BLE001 - that client's own error
             out[j] = err
             continue
         if begin_together:
@@ -669,11 +673,11 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                 _load_received(targets, opening.received)
                 job.solver.begin_round(model, opening.train, job.state)
                 start = [p.detach().clone() for p in params]
-            elif isinstance(begun[k], BaseException):
+            elif isinstance(begun[k], BaseException):  # that client's alone, whatever its type
                 raise begun[k]
             else:
                 start = begun[k]
-        except errors as err:
+        except Exception as err:  # noqa: BLE001 - that client's own error
             out[j] = err
             continue
         member = CohortMember(job.solver, job.data, job.generator, start)
@@ -692,12 +696,12 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
             for k, (j, member) in enumerate(candidates):
                 try:
                     if prepared is not None:
-                        if prepared[k] is not None:
+                        if prepared[k] is not None:  # that client's alone, whatever its type
                             raise prepared[k]
                     elif member.solver.overrides("before_steps"):  # only FedPM has work there
                         _load_weights(params, member.start)
                         member.solver.before_steps(model, member.data, member.generator)  # as local_training
-                except errors as err:
+                except Exception as err:  # noqa: BLE001 - that client's own error
                     out[j] = err
                     continue
                 part.append((j, member))
@@ -715,7 +719,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
                     _load_weights(params, [w[row] for w in weights])
                 try:
                     out[j] = jobs[j].solver.close_round(model, jobs[j].data, jobs[j].state, m, arrays=arrays)
-                except errors as err:
+                except Exception as err:  # noqa: BLE001 - that client's own error
                     out[j] = err
     return out  # type: ignore[return-value]
 

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedaccel.config import ConfigError
+
 
 # --------------------------------------------------------------- layers
 def supported(module: nn.Module) -> bool:
@@ -243,9 +245,11 @@ def damped_cholesky_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, t
     return torch.linalg.cholesky_ex(a + damping * eye)
 
 
-def not_positive_definite(size: int, damping: float) -> ValueError:
-    """The error of a preconditioner without a Cholesky factor."""
-    return ValueError(
+def not_positive_definite(size: int, damping: float) -> ConfigError:
+    """The error of a preconditioner without a Cholesky factor: a user
+    error (the client's one-line error reply, batched or not), fixed in
+    the run config."""
+    return ConfigError(
         f"FedPM: preconditioner of size {size} is not positive definite "
         f"(damping={damping}); increase fedpm.damping (or weight-decay in the exact mode)")
 
