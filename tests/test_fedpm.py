@@ -26,7 +26,7 @@ from fedaccel.config import ConfigError
 from fedaccel.run_config import parse_run_config
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.torch_utils import payload_bytes
-from fedaccel.models import LogReg
+from fedaccel.models import MODELS, LogReg
 from fedaccel.strategies.preconditioned_mixing import preconditioned_mix
 
 
@@ -652,6 +652,25 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
     assert not getattr(jobs[1].solver, "used", None) and getattr(jobs[1].solver, "_x_foof", None) is None  # holds nothing
     assert "fedpm.damping" in str(results[1])
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_server_expects_the_preconditioners_a_client_uploads_for_every_model(name):
+    """``preconditioner_layout`` (what the server accepts, read from the
+    model's arrays) names exactly the layers FOOF preconditions
+    (``foof_layers``) with their triangles' sizes, for every registered
+    model; and the full Hessian's for the logistic regression."""
+    from fedaccel.models import build_model
+    from fedaccel.strategies.preconditioned_mixing import preconditioner_layout
+
+    shape = (3, 32, 32) if name in ("cifar-cnn", "resnet18", "resnet20") else (1, 28, 28)
+    model = build_model(name, (12,) if name in ("logreg", "mlp", "mlp200") else shape, 10)
+    arrays = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    uploaded = [(layer, (foof.input_dim(m) * (foof.input_dim(m) + 1) // 2,)) for layer, m in foof.foof_layers(model)]
+    assert uploaded and preconditioner_layout(arrays, full=False) == uploaded
+    if name == "logreg":
+        d = 10 * 13  # out x (in + 1): the exact mode's Hessian
+        assert preconditioner_layout(arrays, full=True) == [("fc", (d * (d + 1) // 2,))]
 
 
 def test_a_run_whose_clients_have_no_cholesky_factor_fails_them_alone_batched_or_not(tmp_path):

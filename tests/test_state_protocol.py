@@ -117,7 +117,10 @@ class FaultyGrid(LocalGrid):
     of an earlier round, so for the server a late reply is a lost one, and
     the round waits ``round-timeout`` for it), ``nan`` (the reply carries
     non-finite values and is rejected), ``crash`` (the client trains and
-    saves its state, then dies: an error reply).
+    saves its state, then dies: an error reply), ``extra-shape``,
+    ``extra-missing`` and ``extra-key`` (the reply's extra record, such as
+    SCAFFOLD's ``dc``, holds its first entry as one value, lacks it, or
+    holds one more entry: it must be rejected).
     """
 
     def __init__(self, *args, faults: dict[int, list[str]], **kwargs) -> None:
@@ -158,6 +161,16 @@ class FaultyGrid(LocalGrid):
             arrays = reply.content["arrays"]
             reply.content["arrays"] = ArrayRecord({k: Array(np.full(a.shape, np.nan, dtype=np.float32))
                                                    for k, a in arrays.items()})
+        elif kind.startswith("extra-"):
+            name = next(n for n in reply.content.array_records if n != "arrays")
+            items = [(k, a.numpy()) for k, a in reply.content[name].items()]
+            if kind == "extra-shape":  # one finite value: numpy would broadcast it
+                items[0] = (items[0][0], np.ones((1,), dtype=items[0][1].dtype))
+            elif kind == "extra-missing":
+                items = items[1:]
+            else:
+                items.append(("no.such.entry", np.zeros((2,), dtype=np.float32)))
+            reply.content[name] = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in items})
         elif kind == "crash":
             reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, "SuperNode died after training"),
                             reply_to=message)
@@ -211,7 +224,10 @@ STATE_NAME = {"scaffold": "scaffold", "feddyn": "feddyn", "fedrkmgc": "fedrkmgc"
 
 
 def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0: dict) -> float:
-    """Assert the algorithm's server/client invariant; returns its error."""
+    """Assert the algorithm's server/client invariant; returns its error
+    (0 for an algorithm without client state, such as FedPM)."""
+    if algo not in STATE_NAME:
+        return 0.0
     states = client_states(grid, strategy, STATE_NAME[algo], cfg)
     zeros = {k: np.zeros_like(v, dtype=np.float64) for k, v in x0.items()}
     if algo == "scaffold":
@@ -309,6 +325,22 @@ def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, a
     logs = experiment.strategy.rounds
     assert [logs[r].failures for r in sorted(logs)] == [0, 1, 1, 0]
     assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 3]
+
+
+@pytest.mark.parametrize("algo,cohort", [("scaffold", False), ("scaffold", True), ("fedpm", True),
+                                         pytest.param("fedpm", False, marks=SLOW)])
+def test_a_reply_whose_extra_record_is_malformed_is_rejected(tmp_path, algo, cohort):
+    """SCAFFOLD's ``dc`` or FedPM's preconditioners with an entry of another
+    shape, one missing or one unknown: the reply is rejected (the client
+    rolls back, server and clients agree every round), where it was summed
+    into ``c`` by broadcasting (a silent disagreement) or stopped the round."""
+    faults = {2: ["extra-shape"], 3: ["extra-missing"], 4: ["extra-key"]}
+    grid, experiment, _ = run_with_faults(tmp_path, algo, faults, rounds=4, cohort=cohort,
+                                          **{"straggler-fraction": 0.0})
+    assert [kind for _, _, kind in grid.applied] == ["extra-shape", "extra-missing", "extra-key"]
+    logs = experiment.strategy.rounds
+    assert [logs[r].rejected for r in sorted(logs)] == [0, 1, 1, 1]
+    assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 2]  # the replies applied
 
 
 def test_late_reply_past_the_round_timeout(tmp_path):

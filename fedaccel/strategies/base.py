@@ -435,6 +435,10 @@ class FedAccelStrategy:
             for key, array in arrays.items():
                 if tuple(array.shape) != tuple(sent[key].shape):
                     return f"array {key!r} has shape {tuple(array.shape)}, expected {tuple(sent[key].shape)}"
+        for name, expected in self.extra_layouts().items():
+            problem = _layout_problem(name, _layout(array_records[name]), expected)
+            if problem is not None:
+                return problem
         metrics = next(iter(records_of(content, MetricRecord).values()), None)
         if metrics is None or "num-examples" not in metrics:
             return "no metrics record with 'num-examples'"
@@ -445,6 +449,14 @@ class FedAccelStrategy:
                 if not all_finite(array):
                     return f"non-finite values in {name}/{key}"
         return None
+
+    def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """The keys and shapes each extra record of a training reply must hold
+        (hook; default: none checked): a reply whose extra record differs
+        (a missing, unknown or reshaped entry) is rejected by
+        :meth:`reply_problem` instead of broadcast into server state
+        (SCAFFOLD's ``c``) or stopping the round (FedPM's mixing)."""
+        return {}
 
     def _sent_layout(self, sent: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
         """:func:`_layout` of the model sent this round, made once per round."""
@@ -484,6 +496,22 @@ class FedAccelStrategy:
 def _layout(record: ArrayRecord) -> list[tuple[str, tuple[int, ...]]]:
     """A record's keys, in order, with each array's shape."""
     return [(key, tuple(array.shape)) for key, array in record.items()]
+
+
+def _layout_problem(name: str, got: list[tuple[str, tuple[int, ...]]],
+                    expected: list[tuple[str, tuple[int, ...]]]) -> str | None:
+    """How record ``name``'s keys and shapes ``got`` differ from ``expected``
+    (the first difference, in one line), or None."""
+    have, want = dict(got), dict(expected)
+    if have == want:
+        return None
+    for key, shape in expected:
+        if key not in have:
+            return f"{name} lacks {key!r}"
+        if have[key] != shape:
+            return f"{name}/{key} has shape {list(have[key])}, expected {list(shape)}"
+    unknown = [key for key in have if key not in want]
+    return f"{name} holds {unknown[0]!r}, which is not one of its {len(want)} entries"
 
 
 def release_reply_arrays(replies: Iterable[Message]) -> None:

@@ -26,7 +26,7 @@ from fedaccel.config import RunConfig
 from fedaccel.errors import RoundFailedError
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
-from fedaccel.strategies.preconditioned_mixing import preconditioned_mix
+from fedaccel.strategies.preconditioned_mixing import preconditioned_mix, preconditioner_layout
 from fedaccel.strategies.server_steps import reply_metrics
 
 
@@ -38,6 +38,19 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
     def __init__(self, *, run_cfg: RunConfig, federation: Federation) -> None:
         check_exact_mode(run_cfg)
         super().__init__(run_cfg=run_cfg, federation=federation)
+
+    def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """The preconditioners hold one upper triangle per preconditioned layer
+        of the sent model, of its size (:func:`preconditioner_layout`): a
+        reply with a layer missing or a triangle cut short is rejected alone
+        instead of stopping the round's mixing."""
+        sent = self.sent_model()
+        cached = getattr(self, "_precond_layout_of", None)
+        if cached is None or cached[0] is not sent:
+            full = self.run_cfg.algo_params.mode == "exact"
+            cached = (sent, preconditioner_layout([(k, tuple(a.shape)) for k, a in sent.items()], full))
+            self._precond_layout_of = cached
+        return {PRECOND_KEY: cached[1]}
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         clients = []

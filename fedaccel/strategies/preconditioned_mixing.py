@@ -75,6 +75,25 @@ def group_matrices(group: Sequence[Mapping[str, np.ndarray]], keys: list[str], r
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+def preconditioner_layout(model: Sequence[tuple[str, tuple[int, ...]]], full: bool) -> list[tuple[str, tuple[int]]]:
+    """The packed preconditioners a FedPM client uploads for a model of
+    ``model``'s keys and shapes: one upper triangle ``(d (d + 1) / 2,)``
+    per layer with a weight of two or more dims (the ``Linear`` and
+    ``Conv2d`` layers FOOF preconditions, ``fedaccel.clients.foof.foof_layers``),
+    ``d`` its ``[W | b]`` column count (FOOF) or ``rows * cols`` (``full``:
+    the exact mode's Hessian)."""
+    shapes = dict(model)
+    out = []
+    for key, shape in model:
+        if not key.endswith(".weight") or len(shape) < 2:
+            continue
+        layer = key[:-len(".weight")]
+        cols = int(np.prod(shape[1:])) + (1 if f"{layer}.bias" in shapes else 0)
+        d = shape[0] * cols if full else cols
+        out.append((layer, (d * (d + 1) // 2,)))
+    return out
+
+
 def preconditioned_mix(
     clients: Sequence[tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray], float]],
     damping: float,

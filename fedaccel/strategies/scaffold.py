@@ -76,6 +76,12 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
             self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.sent_model()).items()}
         return {C_RECORD: control_variate_record(self.c)}
 
+    def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """``dc`` holds exactly ``c``'s entries and shapes (the model's): one
+        of another shape would be broadcast into ``c``, a missing one counted
+        as zero, and the client would commit a ``c_i`` the server never summed."""
+        return {DC_RECORD: [(k, tuple(v.shape)) for k, v in self.c.items()]} if self.c is not None else {}
+
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The plain mean of the ``y_i``; also the control-variate step (line 17)."""
         if self.c is None:
