@@ -33,7 +33,7 @@ Written by hand: Flower has no notion of several clients behind one node.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
@@ -168,12 +168,14 @@ class CohortNodes(GridView):
     a reply per client. A node that has not answered which slot it serves,
     or that is offline, leaves its clients without a reply (as an offline
     node would). ``query_timeout``: how long a node has to say which slot it
-    serves.
+    serves. ``announce``: where each distinct line the nodes send about how
+    they train goes (the fast runner: stderr); None, the server's log.
     """
 
     trains_cohorts = True  # each node trains its slice of a round as one batch
 
-    def __init__(self, grid: Grid, num_clients: int, query_timeout: float) -> None:
+    def __init__(self, grid: Grid, num_clients: int, query_timeout: float,
+                 announce: Callable[[str], None] | None = None) -> None:
         super().__init__(grid)
         self.num_clients = num_clients
         self.query_timeout = query_timeout
@@ -183,6 +185,7 @@ class CohortNodes(GridView):
         self._ignored: set[int] = set()
         self._started = False  # discovery is over (close_discovery, or a training round was sent)
         self._notes: set[str] = set()  # what the nodes said about how they train (logged once each)
+        self._announce = announce  # where those lines go (None: the server's log, at INFO)
 
     @property
     def num_nodes(self) -> int | None:
@@ -312,4 +315,7 @@ class CohortNodes(GridView):
         note = str(content[REPLY_INDEX].get("note", ""))
         if note and note not in self._notes:
             self._notes.add(note)
-            log(INFO, "[fedaccel] cohort nodes: %s", note)
+            if self._announce is not None:
+                self._announce(note)
+            else:
+                log(INFO, "[fedaccel] cohort nodes: %s", note)

@@ -6,6 +6,7 @@ simulation, on a real SuperLink, and in the fast runner alike.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -317,7 +318,11 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     with removed_if_left_empty(run_dir, created):
         grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
         if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
-            grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0))
+            # the fast runner says how the nodes train on stderr, as it does for its own clients
+            announce = None if engine != "fast" else (lambda note: None) if quiet else (
+                lambda note: print(f"fedaccel: cohort nodes: {note}", file=sys.stderr))
+            grid = CohortNodes(grid, cfg.logical_clients, query_timeout=min(cfg.round_timeout, 120.0),
+                               announce=announce)
         federation = discover_federation(grid, timeout=cfg.round_timeout)
         if isinstance(grid, CohortNodes):
             grid.close_discovery()  # from now on a node that appears is a restarted SuperNode

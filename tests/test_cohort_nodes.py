@@ -223,6 +223,25 @@ def test_a_cohort_node_trains_its_slice_as_one_batch(tmp_path, monkeypatch):
     assert [r["accg"] for r in rows] == pytest.approx([r["accg"] for r in ref_rows], abs=0.02)
 
 
+@pytest.mark.parametrize("algo,says", [
+    ("fedcdr", "fedaccel: cohort nodes: each node trains its clients of a round as one batched model\n"),
+    ("fedpm", "fedaccel: cohort nodes: each node trains its clients one after another "
+              "(fedpm.refresh-every=2 recomputes each client's FOOF matrix at its own weights during the round)\n")])
+def test_the_fast_runner_says_once_how_its_cohort_nodes_train(tmp_path, capsys, algo, says):
+    """As for its own clients, the fast runner says on stderr, once, how its
+    cohort nodes train (batched, or one after another and why); not with
+    ``quiet``. (It once said it only in Flower's log, which the fast runner
+    keeps at WARNING.)"""
+    config = fuse(default_run_config(), {
+        "algo": algo, **({"fedpm.refresh-every": 2} if algo == "fedpm" else {}), "logical-clients": 8, "clients-per-round": 4,
+        "num-server-rounds": 2, "synthetic.max-samples": 80, "accl-every": 0, "results-dir": str(tmp_path)})
+    for quiet in (False, True):
+        capsys.readouterr()
+        run_local({**config, "run-name": f"{algo}-{quiet}"}, 2, quiet=quiet)
+        lines = [line + "\n" for line in capsys.readouterr().err.splitlines() if "cohort nodes" in line]
+        assert lines == ([] if quiet else [says])
+
+
 def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):
     """``cohort-batching='on'`` under flwr run, with a run the trainer cannot
     batch (FedPM refreshing its FOOF factors mid-round): the node answers its
