@@ -303,7 +303,7 @@ def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp
     assert all(log.failures >= 1 for r, log in logs.items() if r in FAULTS)
 
 
-@pytest.mark.parametrize("algo", ["scaffold", "fedcdr"])
+@pytest.mark.parametrize("algo", ["scaffold", pytest.param("fedcdr", marks=SLOW)])
 def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, algo):
     """A bug (not a user error) raised by one client's own code in a batched
     round, after its state was opened: that client alone gets Flower's
@@ -327,8 +327,8 @@ def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, a
     assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 3]
 
 
-@pytest.mark.parametrize("algo,cohort", [("scaffold", False), ("scaffold", True), ("fedpm", True),
-                                         pytest.param("fedpm", False, marks=SLOW)])
+@pytest.mark.parametrize("algo,cohort", [pytest.param("scaffold", False, marks=SLOW), ("scaffold", True),
+                                         ("fedpm", True), pytest.param("fedpm", False, marks=SLOW)])
 def test_a_reply_whose_extra_record_is_malformed_is_rejected(tmp_path, algo, cohort):
     """SCAFFOLD's ``dc`` or FedPM's preconditioners with an entry of another
     shape, one missing or one unknown: the reply is rejected (the client
