@@ -392,3 +392,45 @@ def test_flat_state_of_another_model_is_refused_in_one_line(tmp_path, kind):
         store.put_flat("dr", torch.zeros(3, dtype=torch.float64), (("a", "float32", (3,)),))
     with pytest.raises(ValueError, match=r"vector of \(5,\) for a layout of 8 float32"):
         store.put_flat("dr", torch.zeros(5), (("a", "float32", (2, 3)), ("b", "float32", (2,))))
+
+
+@pytest.mark.slow  # 70 runs of the protocol with durable writes
+def test_overlapping_rounds_on_disk_state_never_leave_a_wrong_state(tmp_path):
+    """Flower's simulation can run a node's next training message on another
+    worker while a message whose round timed out still runs (its reply is
+    late: never applied). The two share a client's disk state. In every
+    interleaving of their steps (resolve, begin, write, seal; the late round
+    started first), the next round the server sends, with the round it
+    applied (the next one's, or neither), finds exactly that version's state
+    or reports the state lost: never another round's state as if it were it."""
+    import itertools
+
+    committed_round, late_round, next_round = 3, 5, 6
+    outcomes = set()
+    for early_at in itertools.combinations(range(1, 8), 4):  # the late round's resolve comes first
+        for applied in (committed_round, next_round):
+            folder = tmp_path / f"{'-'.join(map(str, early_at))}-{applied}"
+            first = DiskState(folder)
+            first.begin(committed_round)
+            first.put("s", {"w": torch.tensor([float(committed_round)])})
+            first.seal()
+            first.resolve(committed_round)
+            late, nxt = DiskState(folder), DiskState(folder)  # two workers, one folder
+
+            def steps(store, server_round):
+                yield lambda: store.resolve(committed_round)  # neither round was applied when sent
+                yield lambda: store.begin(server_round)
+                yield lambda: store.put("s", {"w": torch.tensor([float(server_round)])})
+                yield store.seal
+            runs = {"late": steps(late, late_round), "next": steps(nxt, next_round)}
+            for who in ["next" if at in early_at else "late" for at in range(8)]:
+                try:
+                    next(runs[who])()
+                except FileNotFoundError:  # the late round's write into a version the other dropped
+                    runs[who] = iter(())  # that round fails: its reply is an error (never applied)
+            then = DiskState(folder)
+            outcome = then.resolve(applied)
+            outcomes.add(outcome)
+            if outcome != "lost":
+                assert then.get("s", torch.device("cpu"))["w"].item() == float(applied), (early_at, applied)
+    assert {"lost", "committed", "rolled-back"} <= outcomes  # the interleavings reach every case
