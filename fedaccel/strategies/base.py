@@ -436,6 +436,8 @@ class FedAccelStrategy:
                 if tuple(array.shape) != tuple(sent[key].shape):
                     return f"array {key!r} has shape {tuple(array.shape)}, expected {tuple(sent[key].shape)}"
         for name, expected in self.extra_layouts().items():
+            if name not in array_records:
+                return f"no {name!r} record"
             problem = _layout_problem(name, _layout(array_records[name]), expected)
             if problem is not None:
                 return problem
