@@ -343,6 +343,21 @@ def test_a_reply_whose_extra_record_is_malformed_is_rejected(tmp_path, algo, coh
     assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 2]  # the replies applied
 
 
+def test_a_rounds_counts_say_what_was_aggregated_and_what_came(tmp_path):
+    """``clients`` counts the replies that went into the model (not a
+    straggler's reply that ``drop`` then discarded), so sampled = clients +
+    failures + dropped every round; ``bytes_up`` counts every reply that
+    came, a rejected one included (it crossed the wire): a round with a
+    rejected reply moved the bytes of a round without one."""
+    grid, experiment, _ = run_with_faults(tmp_path, "fedavg", {2: ["nan"], 3: ["crash"]}, rounds=3,
+                                          **{"straggler-policy": "drop"})
+    logs = experiment.strategy.rounds
+    assert all(logs[r].dropped == 1 for r in logs)  # one straggler of three, every round
+    assert [(logs[r].replies, logs[r].failures) for r in sorted(logs)] == [(2, 0), (1, 1), (1, 1)]
+    assert all(len(logs[r].sampled) == logs[r].replies + logs[r].failures + logs[r].dropped for r in logs)
+    assert logs[1].bytes_up == logs[2].bytes_up > 0 and logs[3].bytes_up == 2 * logs[1].bytes_up // 3
+
+
 def test_late_reply_past_the_round_timeout(tmp_path):
     """A reply that arrives after round-timeout is never applied; the client
     rolls back when it is next selected."""

@@ -335,9 +335,8 @@ class FedAccelStrategy:
                 log_.rejected += 1
             elif not m.has_error():
                 ok.append(m)
-        log_.replies = len(ok)
         log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
-        log_.bytes_up += messages_bytes(ok)
+        log_.bytes_up += messages_bytes([m for m in replies if not m.has_error()])  # rejected ones came too
         new_causes = self.client_errors.report(server_round, replies)
         if not ok:
             reasons = self.client_errors.causes(replies)
@@ -351,14 +350,6 @@ class FedAccelStrategy:
                 f"round {server_round}: all {len(log_.sampled)} sampled clients failed "
                 f"({reasons or 'no reply before the timeout'})"
             )
-        if log_.failures:
-            errors = sum(m.has_error() for m in replies)
-            # a round whose only failures are errors already reported: no new warning
-            known = errors == log_.failures and not new_causes
-            log(INFO if known else WARNING,
-                "round %s: %s of %s sampled clients failed, were rejected or did not "
-                "reply in time; aggregating the other %s", server_round, log_.failures,
-                len(log_.sampled), len(ok))
         pid_of = self.federation.partition_of_node
         for m in ok:
             metrics_in = next(iter(records_of(m.content, MetricRecord).values()))
@@ -372,10 +363,21 @@ class FedAccelStrategy:
             kept = [m for m in ok if pid_of.get(m.metadata.src_node_id) not in log_.stragglers]
             log_.dropped = len(ok) - len(kept)
             ok = kept
-            if not ok:
-                log(WARNING, "round %s: every reply came from a straggler and was dropped "
-                    "(straggler-policy='drop'); the model is unchanged", server_round)
-                return None, None
+        log_.replies = len(ok)  # the replies that go into the new model (metrics.jsonl's clients)
+        if log_.failures:
+            errors = sum(m.has_error() for m in replies)
+            # a round whose only failures are errors already reported: no new warning
+            known = errors == log_.failures and not new_causes
+            dropped = (f"{log_.dropped} straggler {'reply' if log_.dropped == 1 else 'replies'} dropped "
+                       f"(straggler-policy='drop'); " if log_.dropped else "")
+            log(INFO if known else WARNING,
+                "round %s: %s of %s sampled clients failed, were rejected or did not "
+                "reply in time; %saggregating the other %s", server_round, log_.failures,
+                len(log_.sampled), dropped, len(ok))
+        if not ok:  # (a round without any reply failed above) every reply was a dropped straggler's
+            log(WARNING, "round %s: every reply came from a straggler and was dropped "
+                "(straggler-policy='drop'); the model is unchanged", server_round)
+            return None, None
         # aggregate -> update transforms (global GC) -> server step: every server
         # state is built from the transformed update (see server_step)
         arrays, metrics = self.combine(server_round, ok)
