@@ -648,7 +648,7 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
     model = build_model("mlp", (6,), 3)
     jobs = fedpm_jobs(cfg, model, datas)
     results = fit_cohort(copy.deepcopy(model), jobs, 4)
-    assert isinstance(results[1], ValueError) and "not positive definite" in str(results[1])
+    assert isinstance(results[1], ConfigError) and "not positive definite" in str(results[1])
     assert not getattr(jobs[1].solver, "used", None) and getattr(jobs[1].solver, "_x_foof", None) is None  # holds nothing
     assert "fedpm.damping" in str(results[1])
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
@@ -673,22 +673,30 @@ def test_the_server_expects_the_preconditioners_a_client_uploads_for_every_model
         assert preconditioner_layout(arrays, full=True) == [("fc", (d * (d + 1) // 2,))]
 
 
-def test_a_run_whose_clients_have_no_cholesky_factor_fails_them_alone_batched_or_not(tmp_path):
+@pytest.mark.parametrize("algo", ["fedpm", pytest.param("localnewton", marks=pytest.mark.slow)])
+def test_a_run_whose_clients_have_no_cholesky_factor_fails_them_alone_batched_or_not(tmp_path, caplog, algo):
     """The fast runner's batched round fails exactly the clients the
     per-client round fails (damping 0: the FOOF matrices of the clients
     with fewer samples than inputs are singular), with the same one-line
-    user error; the others train, and both runs finish with the same
-    metrics to float32 rounding. (A batched failure was once raised for the
-    whole cohort: every client failed and the run stopped.)"""
-    rows, models = {}, {}
+    user error naming the algorithm's own key; the others train, and both
+    runs finish with the same metrics to float32 rounding. (A batched
+    failure was once raised for the whole cohort: every client failed and
+    the run stopped.)"""
+    rows, models, causes = {}, {}, {}
     for batching in ("off", "on"):
         cfg = fuse(default_run_config(), {
-            "algo": "fedpm", "model": "logreg", "fedpm.damping": 0.0, "synthetic.min-samples": 20,
+            "algo": algo, "model": "logreg", f"{algo}.damping": 0.0, "synthetic.min-samples": 20,
             "synthetic.size-mu": 3.0, "num-server-rounds": 2, "clients-per-round": 10, "accl-every": 0,
             "cohort-batching": batching, "results-dir": str(tmp_path), "run-name": batching})
+        caplog.clear()
         run_dir = run_local(cfg, num_clients=10, quiet=True)
         rows[batching] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         models[batching] = np.load(run_dir / "final_model.npz")
+        causes[batching] = {r.getMessage().split("): ", 1)[1] for r in caplog.records
+                            if "client failed in round" in r.getMessage()}
+    assert causes["on"] == causes["off"] == {
+        f"{algo}: preconditioner of size 61 is not positive definite (damping=0.0); "
+        f"increase {algo}.damping (or weight-decay in the exact mode)"}
     for off, on in zip(rows["off"], rows["on"]):
         assert 0 < on["failures"] == off["failures"] < 10 and on["clients"] == off["clients"]
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-4)
@@ -739,7 +747,7 @@ def test_packed_uploads_are_each_clients_packing_across_chunks_and_a_failed_clie
         for job in jobs:
             job.solver.__class__ = solver_type
         results = fit_cohort(copy.deepcopy(model), jobs, 4, max_clients=3)
-        assert isinstance(results[1], ValueError)
+        assert isinstance(results[1], ConfigError)
         for job, r in zip(jobs, results):
             if isinstance(r, BaseException):
                 continue

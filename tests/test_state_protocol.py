@@ -303,28 +303,42 @@ def test_invariants_hold_every_round_under_lost_rejected_and_dropped_replies(tmp
     assert all(log.failures >= 1 for r, log in logs.items() if r in FAULTS)
 
 
-@pytest.mark.parametrize("algo", ["scaffold", pytest.param("fedcdr", marks=SLOW)])
-def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, algo):
+@pytest.mark.parametrize("algo,where", [
+    ("scaffold", "close_round"), pytest.param("fedcdr", "close_round", marks=SLOW),
+    pytest.param("scaffold", "open_round", marks=SLOW), pytest.param("feddyn", "begin_at_anchor", marks=SLOW),
+    pytest.param("fedrkmgc", "setup", marks=SLOW)])
+def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, algo, where):
     """A bug (not a user error) raised by one client's own code in a batched
-    round, after its state was opened: that client alone gets Flower's
-    error reply and rolls back; the others train, and server and clients
+    round (its setup on the node, its ``open_round``, its begin at the
+    anchor, its ``close_round`` after its state was written): that client
+    alone gets Flower's error reply (``RuntimeError: boom``, not a user
+    error's line) and rolls back; the others train, and server and clients
     agree every round (``check_invariant``), as one client after another."""
+    import fedaccel.apps.client_app as ca
     from fedaccel.clients.base import LocalSolver
+    from fedaccel.clients.stacked_solver import StackedStateSolver
 
-    real, calls = LocalSolver.close_round, []
+    owner, name = {"setup": (ca, "_round_inputs"), "begin_at_anchor": (StackedStateSolver, "begin_at_anchor")
+                   }.get(where, (LocalSolver, where))
+    real, calls = getattr(owner, name), []
 
-    def close_round(self, *args, **kwargs):
+    def raising(*args, **kwargs):
+        out = real(*args, **kwargs)  # the client's work done (its state written), then the bug
         calls.append(1)
-        if len(calls) in (4, 8):  # the first client of rounds 2 and 3 (3 a round, stragglers dropped)
+        if len(calls) in (4, 8):  # a client of rounds 2 and 3 (3 a round, stragglers dropped)
             raise RuntimeError("boom")
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(LocalSolver, "close_round", close_round)
+        return out
+    monkeypatch.setattr(owner, name, raising if owner is ca else
+                        lambda self, *a, **k: raising(self, *a, **k))
     grid, experiment, _ = run_with_faults(tmp_path, algo, {}, rounds=4, cohort=True,
                                           **{"straggler-fraction": 0.0})
     assert grid.batched_messages >= 4 * 3
     logs = experiment.strategy.rounds
     assert [logs[r].failures for r in sorted(logs)] == [0, 1, 1, 0]
     assert [logs[r].replies for r in sorted(logs)] == [3, 2, 2, 3]
+    seen = experiment.strategy.client_errors.seen
+    assert [line.split("): ", 1)[1] for line in seen] == ["RuntimeError: boom"] * len(seen)
+    assert sorted(r for rounds in seen.values() for r in rounds) == [2, 3]
 
 
 @pytest.mark.parametrize("algo,cohort", [pytest.param("scaffold", False, marks=SLOW), ("scaffold", True),

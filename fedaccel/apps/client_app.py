@@ -11,9 +11,11 @@ An error the user can fix on this node (``USER_ERRORS``: a missing or
 corrupted data file, a bad node config, a model that does not fit the data)
 makes ``train`` and ``evaluate`` reply with a Flower error whose reason is one
 line naming the node and the cause (:func:`user_error_reply`); the server logs
-it and goes on with the other clients. Any other exception is a bug and is
-raised as before: Flower logs its traceback on this node and replies with an
-error itself.
+it and goes on with the other clients. Any other exception is a bug: one
+client at a time it is raised, and Flower logs its traceback on this node
+and replies with an error itself; where this node trains many clients (a
+batched round, a cohort node's slice) the client whose code raised gets
+that same reply alone and its traceback is logged here (:func:`_bug_reply`).
 """
 
 from __future__ import annotations
@@ -338,19 +340,22 @@ def train_cohort(items: list[tuple[Message, Context]]) -> list[Message]:
     # solves do, with two threads), so the place must follow from the seed
     for i in sorted(range(len(items)), key=lambda i: _partition_key(items[i][1], i)):
         msg, context = items[i]
-        try:
+        try:  # this client's own setup: what fails here is its reply alone
             rt = client_runtime(context)
+            solver = type(rt.solver)(rt.cfg)
+            solver.initial_model = rt.solver.initial_model
+            config = _message_config(msg)
+            state, generator = _round_inputs(rt, context, config)
+            job = CohortJob(solver=solver, data=rt.train, arrays=msg.content["arrays"], config=config,
+                            state=state, generator=generator, received=_received(msg))
         except REPLY_ERRORS as err:
             replies[i] = user_error_reply(msg, context, err)
             continue
+        except Exception as err:  # noqa: BLE001 - one client's bug is its own error reply
+            replies[i] = _bug_reply(msg, context, err)
+            continue
         shared = shared or rt
-        solver = type(rt.solver)(rt.cfg)
-        solver.initial_model = rt.solver.initial_model
-        config = _message_config(msg)
-        state, generator = _round_inputs(rt, context, config)
-        jobs.append(CohortJob(
-            solver=solver, data=rt.train, arrays=msg.content["arrays"], config=config, state=state,
-            generator=generator, received=_received(msg)))
+        jobs.append(job)
         where.append(i)
     if jobs:
         results = fit_cohort(shared.model, jobs, shared.cfg.batch_size,

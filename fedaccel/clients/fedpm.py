@@ -301,7 +301,7 @@ class FedPMSolver(LocalSolver):
             bad = [name for name in layers if infos[name][c] != 0]
             if bad:  # this client fails alone, holding nothing of the batch
                 m.solver._x_foof = None
-                problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping))
+                problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping, self.cfg.algo))
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             m.solver.factors = {name: factors[name][c] for name in layers}
@@ -391,7 +391,7 @@ class FedPMSolver(LocalSolver):
         # layer's dtype: for fc1 of cnn-small (1569 x 1569, 128 rows) one step's
         # solve took 68 ms in float64 and 27 ms in float32 (1 thread), with a
         # relative difference of 3e-7 (docs/measurements.md).
-        self.factors = {name: foof.damped_cholesky(a, self.damping).to(self.layers[name].weight.dtype)
+        self.factors = {name: foof.damped_cholesky(a, self.damping, self.cfg.algo).to(self.layers[name].weight.dtype)
                         for name, a in self.used.items()}
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
@@ -501,7 +501,7 @@ class FedPMSolver(LocalSolver):
         for step in range(steps):
             if step == 0 or (self.refresh_every and step % self.refresh_every == 0):
                 hessian = logreg_hessian(theta, xt, wd)
-                factor = foof.damped_cholesky(hessian, self.damping)
+                factor = foof.damped_cholesky(hessian, self.damping, self.cfg.algo)
             loss, grad = logreg_loss_grad(theta, xt, y, wd)
             first_loss = loss if first_loss is None else first_loss
             newton = torch.cholesky_solve(grad.reshape(-1, 1), factor).reshape(theta.shape)

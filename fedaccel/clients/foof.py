@@ -228,11 +228,12 @@ def write_matrix(module: nn.Module, mat: torch.Tensor, grad: bool = False) -> No
 
 
 # ------------------------------------------------------------- algebra
-def damped_cholesky(a: torch.Tensor, damping: float) -> torch.Tensor:
-    """Lower Cholesky factor of ``a + damping I`` (float64)."""
+def damped_cholesky(a: torch.Tensor, damping: float, algo: str = "fedpm") -> torch.Tensor:
+    """Lower Cholesky factor of ``a + damping I`` (float64); without one,
+    :func:`not_positive_definite` for ``algo``."""
     factor, info = damped_cholesky_ex(a, damping)
     if int(info) != 0:
-        raise not_positive_definite(a.shape[-1], damping)
+        raise not_positive_definite(a.shape[-1], damping, algo)
     return factor
 
 
@@ -245,13 +246,13 @@ def damped_cholesky_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, t
     return torch.linalg.cholesky_ex(a + damping * eye)
 
 
-def not_positive_definite(size: int, damping: float) -> ConfigError:
+def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> ConfigError:
     """The error of a preconditioner without a Cholesky factor: a user
     error (the client's one-line error reply, batched or not), fixed in
-    the run config."""
+    the run config (``algo``'s keys: FedPM's or LocalNewton's)."""
     return ConfigError(
-        f"FedPM: preconditioner of size {size} is not positive definite "
-        f"(damping={damping}); increase fedpm.damping (or weight-decay in the exact mode)")
+        f"{algo}: preconditioner of size {size} is not positive definite "
+        f"(damping={damping}); increase {algo}.damping (or weight-decay in the exact mode)")
 
 
 def right_solve(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

@@ -513,7 +513,7 @@ def _layout_problem(name: str, got: list[tuple[str, tuple[int, ...]]],
         if key not in have:
             return f"{name} lacks {key!r}"
         if have[key] != shape:
-            return f"{name}/{key} has shape {list(have[key])}, expected {list(shape)}"
+            return f"{name}/{key} has shape {tuple(have[key])}, expected {tuple(shape)}"
     unknown = [key for key in have if key not in want]
     return f"{name} holds {unknown[0]!r}, which is not one of its {len(want)} entries"
 
