@@ -235,7 +235,20 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return {"round": int(manifest["round"]), "run-config": dict(manifest["run-config"]),
                 "num-clients": int(manifest["num-clients"])}
     except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError) as err:
-        raise _unreadable(path, err) from None
+        raise _unreadable(path, err, _previous_hint(path)) from None
+
+
+def _previous_hint(path: Path) -> str:
+    """How to resume from the checkpoint before ``path`` instead (with
+    either runner), or "" without one."""
+    if path.parent.name != CHECKPOINT_DIR:
+        return ""
+    previous = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    if not previous:
+        return ""
+    toml = previous[-1].with_suffix(".toml")
+    flwr = f"; flwr run: --run-config '{toml}'" if toml.is_file() else ""
+    return f"; resume from the previous one instead (fedaccel-run --resume '{previous[-1]}'{flwr})"
 
 
 def _unreadable(path: Path, err: BaseException, fallback: str = "") -> CheckpointError:
@@ -254,8 +267,7 @@ def run_dir_of(path: Path) -> Path:
 
 def read_checkpoint(path: Path) -> Checkpoint:
     """Read and check one checkpoint file; a damaged or foreign file is a :class:`CheckpointError`."""
-    previous = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name] if path.parent.name == CHECKPOINT_DIR else []
-    fallback = f"; resume from the previous one with resume='{previous[-1]}'" if previous else ""
+    fallback = _previous_hint(path)
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()  # reads every member and checks its CRC-32

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fedaccel.checkpoint import (Checkpoint, decode_state, encode_state, list_checkpoints,
-                                 read_checkpoint, write_checkpoint)
+                                 read_checkpoint, read_manifest, write_checkpoint)
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError
 from fedaccel.local_run import default_run_config, fuse, main as run_main, resume_config, run_local
@@ -213,11 +213,14 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_named(tmp_path):
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"damaged .*resume from the previous one with resume='.*round-00002"):
+    previous = r"resume from the previous one instead \(fedaccel-run --resume '.*round-00002.zip'; " \
+               r"flwr run: --run-config '.*round-00002.toml'\)"
+    with pytest.raises(CheckpointError, match=r"damaged .*" + previous):
         read_checkpoint(path)
-    path.write_bytes(bytes(data[: len(data) // 2]))  # cut short
-    with pytest.raises(CheckpointError, match="damaged or not a fedaccel checkpoint"):
-        read_checkpoint(path)
+    path.write_bytes(bytes(data[: len(data) // 2]))  # cut short: the manifest too
+    for read in (read_checkpoint, read_manifest):  # fedaccel-run --resume reads the manifest first
+        with pytest.raises(CheckpointError, match="damaged or not a fedaccel checkpoint.*" + previous):
+            read(path)
 
 
 # ----------------------------------------------------------- the command line
