@@ -40,6 +40,7 @@ def test_a_spent_budget_skips_every_step_and_says_so(tmp_path):
     assert "done in" in (tmp_path / "out" / "log.txt").read_text()
 
 
+@pytest.mark.slow  # the GPU kit tool, end to end: the full suite runs it
 def test_a_budget_shorter_than_a_minute_still_runs_a_step(tmp_path):
     """``--budget 30 --only env``: the step runs (it once needed a full minute
     left, so a budget of exactly 60 s skipped it)."""
@@ -50,6 +51,7 @@ def test_a_budget_shorter_than_a_minute_still_runs_a_step(tmp_path):
     assert rows[0]["status"] in ("passed", "cut at the budget"), rows
 
 
+@pytest.mark.slow  # the GPU kit tool, end to end: the full suite runs it
 def test_a_step_that_overruns_is_stopped_with_the_processes_it_started(tmp_path):
     """bench/overhead.py measures in child processes: a step stopped at its
     limit takes its children with it, and the budget's cut is not a failure."""
@@ -84,6 +86,7 @@ def test_an_unknown_step_is_refused_in_one_line():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # the GPU kit tool, end to end: the full suite runs it
 def test_the_equivalence_step_measures_batched_against_per_client(tmp_path):
     """On the CPU the batched MLP round is within float32 rounding of the
     per-client round; the step writes one row per (algorithm, model, TF32)."""

@@ -303,7 +303,7 @@ def run_on_flower_like_grid(run_config: dict) -> Path:
     pytest.param("fedacg", {}, marks=pytest.mark.slow),  # server side only: the clients keep nothing
     ("fedcdr", {"client-state": "disk"}),  # the clients' state files, read where they lie
     # cohort nodes: 16 logical clients on the 8 nodes, their state files by partition id
-    ("fedcdr", {"client-state": "disk", "logical-clients": 2 * NUM_CLIENTS}),
+    pytest.param("fedcdr", {"client-state": "disk", "logical-clients": 2 * NUM_CLIENTS}, marks=pytest.mark.slow),
 ], ids=["fedacg", "fedcdr-disk", "fedcdr-disk-cohort-nodes"])
 def test_flower_engines_checkpoint_without_a_client_store(tmp_path, monkeypatch, algo, extra):
     extra = {"num-server-rounds": 4, "state-dir": str(tmp_path / "state"), **extra}

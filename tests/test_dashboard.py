@@ -93,6 +93,7 @@ def test_events_push_a_new_round_without_a_reload(results):
 
 
 # ------------------------------------------------------------------ compare
+@pytest.mark.slow  # a whole run behind the dashboard: the full suite
 def test_compare_tables_are_fedaccel_compares(client, results, tmp_path):
     for seed, accs in ((0, [0.4, 0.6]), (1, [0.5, 0.7])):
         record_run(results, f"avg-{seed}", 2, accs, seed=seed)
@@ -204,6 +205,7 @@ def test_stop_ends_a_fast_run_and_both_sides_say_stopped(results, sigint_ignored
         assert again.status_code == 409 and "not running (it is stopped)" in again.json()["error"]
 
 
+@pytest.mark.slow  # a whole run behind the dashboard: the full suite
 def test_a_launch_that_fails_at_once_is_listed_with_its_error(client, results, monkeypatch):
     # the data folder disappears between validation and start: the run's own error shows
     values = {"dataset": "fashion-mnist", "data-dir": str(results / "missing"), "run-name": "nodata",

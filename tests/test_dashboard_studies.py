@@ -51,6 +51,7 @@ def write_plan(folder, cells, pid, **extra):
 
 
 # ----------------------------------------------------------------- reading
+@pytest.mark.slow  # a real study: the full suite
 def test_a_finished_study_shows_the_table_over_seeds_of_fedaccel_compare(tmp_path, results, client):
     assert sweep_main([str(study_file(tmp_path)), "--results-dir", str(results / "sweeps"), "--workers", "1"]) == 0
     [row] = client.get("/api/studies").json()["studies"]

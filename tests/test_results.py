@@ -203,6 +203,7 @@ def test_plot_curves_empty_rows(tmp_path):
 # --------------------------------------------------------------------------- #
 # compare
 # --------------------------------------------------------------------------- #
+@pytest.mark.slow  # two real runs: the full suite
 def test_compare_two_runs(tmp_path, capsys):
     a = tmp_path / "run_a"
     b = tmp_path / "run_b"
@@ -245,6 +246,7 @@ def test_compare_labels_repeat_and_label_key(tmp_path):
     assert [r.label for r in runs] == ["0.1", "0.01"]
 
 
+@pytest.mark.slow  # real runs over seeds: the full suite
 def test_compare_group_seeds(tmp_path, capsys):
     finals = {0: 0.6, 1: 0.7, 2: 0.8}
     dirs = []

@@ -284,7 +284,7 @@ SLOW = pytest.mark.slow  # the same protocol again: kept out of the quick suite
 
 
 @pytest.mark.parametrize("algo,gc_mode,cohort", [
-    ("scaffold", "none", False), ("fedcdr", "local", False),
+    pytest.param("scaffold", "none", False, marks=SLOW), pytest.param("fedcdr", "local", False, marks=SLOW),
     pytest.param("fedrkmgc", "none", False, marks=SLOW), pytest.param("feddyn", "global", False, marks=SLOW),
     # the batched trainer (docs/cohort-batching.md) runs the same commit protocol per client
     ("scaffold", "none", True), ("fedcdr", "local", True),

@@ -95,6 +95,7 @@ def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     assert (cells / "algo=fedavg,seed=1" / "summary.json").is_file()
 
 
+@pytest.mark.slow  # a killed and resumed sweep cell: the full suite
 def test_a_killed_cell_goes_on_from_its_checkpoint(tmp_path) -> None:
     import numpy as np
 

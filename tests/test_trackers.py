@@ -102,6 +102,7 @@ def shared_results(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("results")
 
 
+@pytest.mark.slow  # MLflow itself (seconds to import): the full suite; TensorBoard stays quick
 @pytest.mark.parametrize("state,status", [("finished", "FINISHED"), ("failed", "FAILED"), ("stopped", "KILLED")])
 def test_mlflow_tracker_logs_params_metrics_config_and_end_state(tmp_path, shared_results, state, status):
     run_dir = shared_results / f"run-{state}"
@@ -151,7 +152,7 @@ def test_a_tracker_that_fails_is_dropped_with_one_line_and_the_run_goes_on(tmp_p
 
 
 # ------------------------------------------------------------------ end to end (fast runner)
-@pytest.mark.parametrize("tracker", ["tensorboard", "mlflow"])
+@pytest.mark.parametrize("tracker", ["tensorboard", pytest.param("mlflow", marks=pytest.mark.slow)])
 def test_a_run_sends_the_rows_of_metrics_jsonl_to_the_tracker(tmp_path, capsys, tracker):
     run_dir = run_local(small_config(tmp_path, tracker, tracker=tracker), num_clients=NUM_CLIENTS, quiet=True)
     rows = load_rows(run_dir / "metrics.jsonl")
@@ -180,7 +181,7 @@ def test_tensorboard_tracker_uri_is_a_log_root_for_many_runs(tmp_path):
     assert not list((tmp_path / "results" / "a").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("tracker", ["tensorboard", "mlflow"])
+@pytest.mark.parametrize("tracker", ["tensorboard", pytest.param("mlflow", marks=pytest.mark.slow)])
 def test_a_killed_and_resumed_run_shows_every_round_once(tmp_path, monkeypatch, tracker):
     """Checkpoint after round 5, killed in round 8 (rounds 6 and 7 already
     sent), resumed: the tracker shows rounds 1..10 once each, with the
