@@ -654,6 +654,32 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
 
 
+def test_a_batched_client_whose_foof_pass_fails_with_a_bug_fails_alone(monkeypatch):
+    """Not only a user error: whatever the batched FOOF pass returns for one
+    client (here a RuntimeError in place of the missing factor's error) is
+    that client's result alone; the others train and reply."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    real = foof.damped_cholesky_ex
+
+    def second_client_fails(a, damping):
+        factor, info = real(a, damping)
+        if a.dim() == 3:
+            info = info.clone()
+            info[1] = 2
+        return factor, info
+    monkeypatch.setattr(foof, "damped_cholesky_ex", second_client_fails)
+    monkeypatch.setattr(foof, "not_positive_definite", lambda size, damping, algo="fedpm": RuntimeError("boom"))
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
+    model = build_model("mlp", (6,), 3)
+    results = fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == "boom"
+    assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_the_server_expects_the_preconditioners_a_client_uploads_for_every_model(name):
     """``preconditioner_layout`` (what the server accepts, read from the
