@@ -626,10 +626,13 @@ def test_a_batched_fedpm_round_makes_no_per_client_foof_pass(monkeypatch, upload
     assert stacked == [] and len(calls) == 2 * (2 if upload == "end" else 1)
 
 
-def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch, bug):
     """A client whose damped FOOF matrix has no Cholesky factor gets the
     error its own before_steps raises; the other clients of the batch train
-    and reply as usual."""
+    and reply as usual. Not only a user error: whatever the batched FOOF
+    pass returns for one client (``bug``: a RuntimeError in place of the
+    missing factor's error) is that client's result alone."""
     from fedaccel.clients.cohort import fit_cohort
     from fedaccel.models import build_model
 
@@ -642,41 +645,20 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch):
             info[1] = 2
         return factor, info
     monkeypatch.setattr(foof, "damped_cholesky_ex", second_client_fails)
+    if bug:
+        monkeypatch.setattr(foof, "not_positive_definite", lambda size, damping, algo="fedpm": RuntimeError("boom"))
     cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
     torch.manual_seed(0)
     datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
     model = build_model("mlp", (6,), 3)
     jobs = fedpm_jobs(cfg, model, datas)
     results = fit_cohort(copy.deepcopy(model), jobs, 4)
-    assert isinstance(results[1], ConfigError) and "not positive definite" in str(results[1])
+    if bug:
+        assert isinstance(results[1], RuntimeError) and str(results[1]) == "boom"
+    else:
+        assert isinstance(results[1], ConfigError) and "not positive definite" in str(results[1])
+        assert "fedpm.damping" in str(results[1])
     assert not getattr(jobs[1].solver, "used", None) and getattr(jobs[1].solver, "_x_foof", None) is None  # holds nothing
-    assert "fedpm.damping" in str(results[1])
-    assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
-
-
-def test_a_batched_client_whose_foof_pass_fails_with_a_bug_fails_alone(monkeypatch):
-    """Not only a user error: whatever the batched FOOF pass returns for one
-    client (here a RuntimeError in place of the missing factor's error) is
-    that client's result alone; the others train and reply."""
-    from fedaccel.clients.cohort import fit_cohort
-    from fedaccel.models import build_model
-
-    real = foof.damped_cholesky_ex
-
-    def second_client_fails(a, damping):
-        factor, info = real(a, damping)
-        if a.dim() == 3:
-            info = info.clone()
-            info[1] = 2
-        return factor, info
-    monkeypatch.setattr(foof, "damped_cholesky_ex", second_client_fails)
-    monkeypatch.setattr(foof, "not_positive_definite", lambda size, damping, algo="fedpm": RuntimeError("boom"))
-    cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
-    torch.manual_seed(0)
-    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
-    model = build_model("mlp", (6,), 3)
-    results = fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
-    assert isinstance(results[1], RuntimeError) and str(results[1]) == "boom"
     assert [r.metrics["num-examples"] for r in (results[0], results[2])] == [5, 3]
 
 
