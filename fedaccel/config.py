@@ -59,6 +59,7 @@ class SyntheticConfig:
     max_samples: int = DataConfig.synthetic_max_samples
     size_mu: float = DataConfig.synthetic_size_mu
     min_samples: int = DataConfig.synthetic_min_samples
+    shared_model: bool = DataConfig.synthetic_shared_model
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,14 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         size_mu=_number(cfg, "synthetic.size-mu") if "synthetic.size-mu" in cfg else syn.size_mu,
         min_samples=(_integer(cfg, "synthetic.min-samples", 1)
                      if "synthetic.min-samples" in cfg else syn.min_samples),
+        shared_model=(_boolean(cfg, "synthetic.shared-model")
+                      if "synthetic.shared-model" in cfg else syn.shared_model),
     )
     require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
     require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")
+    require(not (synthetic.iid and synthetic.shared_model), "synthetic.shared-model",
+            synthetic.shared_model, "applies to the non-IID generator only: with synthetic.iid=true "
+            "every client already has the same model; set one of them to false")
 
 
     straggler_fraction = _number(cfg, "straggler-fraction")

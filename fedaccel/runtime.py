@@ -34,6 +34,7 @@ def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:
         synthetic_max_samples=cfg.synthetic.max_samples,
         synthetic_size_mu=cfg.synthetic.size_mu,
         synthetic_min_samples=cfg.synthetic.min_samples,
+        synthetic_shared_model=cfg.synthetic.shared_model,
     )
 
 

@@ -103,6 +103,7 @@ BAD_VALUES = [
     ("init", "zeros", {}),
     ("init-noise", -0.1, {"init": "near-optimum", "model": "logreg", "weight-decay": 0.01}),
     ("optimality", "yes", {}),
+    ("synthetic.shared-model", "yes", {}),
 ]
 
 
@@ -116,6 +117,12 @@ def test_bad_value_is_one_line_naming_key_and_value(defaults, key, value, extra)
     assert "\n" not in msg, msg
     assert key in msg, msg
     assert str(value) in msg, msg
+
+
+def test_a_shared_synthetic_model_is_refused_with_the_iid_variant(defaults):
+    with pytest.raises(ConfigError, match="synthetic.shared-model=true: applies to the non-IID"):
+        parse_one(defaults, "synthetic.shared-model", True, **{"synthetic.iid": True})
+    assert parse_one(defaults, "synthetic.shared-model", True).synthetic.shared_model is True
 
 
 def test_unknown_algo_lists_the_allowed_names(defaults):

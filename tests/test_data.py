@@ -155,6 +155,46 @@ def test_synthetic_noniid_more_heterogeneous_than_iid():
     assert skew(False) > skew(True) + 0.1
 
 
+def _synthetic_by_hand(seed, users, alpha, beta, shared):
+    """FedCDR appendix G.1's generator written out draw by draw (the order is
+    the one that keeps FedProx's data unchanged without a shared model):
+    sizes, u_k, B_k, v_k, then (shared only) W and b, then per client
+    W_k = W + N(u_k, 1), b_k = b + N(u_k, 1) and x ~ N(v_k, diag(j^-1.2))."""
+    rng = np.random.default_rng(seed)
+    sizes = np.minimum(rng.lognormal(2.0, 2, users).astype(np.int64) + 10, 50)
+    u = rng.normal(0.0, alpha, users)
+    big_b = rng.normal(0.0, beta, users)
+    v = [rng.normal(big_b[k], 1.0, 60) for k in range(users)]
+    w0, b0 = (rng.normal(0.0, 1.0, (60, 10)), rng.normal(0.0, 1.0, 10)) if shared else (0.0, 0.0)
+    ys = []
+    for k in range(users):
+        w = w0 + rng.normal(u[k], 1.0, (60, 10))
+        b = b0 + rng.normal(u[k], 1.0, 10)
+        x = v[k] + rng.standard_normal((int(sizes[k]), 60)) * np.arange(1, 61) ** -0.6
+        ys.append(np.argmax(x @ w + b, axis=1))
+    return ys
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_synthetic_client_models_are_drawn_as_the_paper_writes(shared):
+    """``shared_model``: W_k - W ~ N(u_k, 1) around one W (FedCDR appendix
+    G.1); without it W_k ~ N(u_k, 1) (FedProx's code), data as before."""
+    from fedaccel.data.sources import generate_synthetic
+
+    _, ys = generate_synthetic(4, 1.0, 1.0, False, 50, np.random.default_rng(7), size_mu=2.0,
+                               min_samples=10, dtype=np.dtype(np.float64), shared_model=shared)
+    expected = _synthetic_by_hand(7, 4, 1.0, 1.0, shared)
+    for got, want in zip(ys, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_synthetic_shared_model_is_refused_with_iid():
+    with pytest.raises(DataError, match="synthetic.shared-model=true applies to the non-IID"):
+        DataConfig(synthetic_iid=True, synthetic_shared_model=True)
+    with pytest.raises(DataError, match="synthetic.shared-model='yes' is invalid"):
+        DataConfig(synthetic_shared_model="yes")
+
+
 def test_synthetic_rejects_pooled_partitions():
     with pytest.raises(DataError, match="synthetic.iid"):
         DataConfig(dataset="synthetic", partition="dirichlet")

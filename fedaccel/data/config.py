@@ -73,6 +73,9 @@ class DataConfig:
     # per-client sizes: LogNormal(synthetic_size_mu, 2) + synthetic_min_samples
     synthetic_size_mu: float = 4.0
     synthetic_min_samples: int = 50
+    # client models around one shared model (FedCDR appendix G.1) instead of
+    # independent ones (FedProx's code); the non-IID generator only
+    synthetic_shared_model: bool = False
     # the dtype of every client's and the test set's inputs
     precision: str = "float32"
 
@@ -127,6 +130,17 @@ class DataConfig:
             raise DataError(
                 f"synthetic.iid={self.synthetic_iid!r} is invalid; it must be true or false"
             )
+        if not isinstance(self.synthetic_shared_model, (bool, np.bool_)):
+            raise DataError(
+                f"synthetic.shared-model={self.synthetic_shared_model!r} is invalid; "
+                "it must be true or false"
+            )
+        if self.synthetic_iid and self.synthetic_shared_model:
+            raise DataError(
+                "synthetic.shared-model=true applies to the non-IID generator only: with "
+                "synthetic.iid=true every client already has the same model; set one of them "
+                "to false"
+            )
         if not _is_int(self.synthetic_max_samples) or self.synthetic_max_samples < 1:
             raise DataError(
                 f"synthetic.max-samples={self.synthetic_max_samples!r} is invalid; "
@@ -156,7 +170,7 @@ class DataConfig:
                            ("synthetic_min_samples", int), ("synthetic_size_mu", float), ("train_samples", int),
                            ("dirichlet_alpha", float), ("local_test_fraction", float),
                            ("synthetic_alpha", float), ("synthetic_beta", float),
-                           ("synthetic_iid", bool)):
+                           ("synthetic_iid", bool), ("synthetic_shared_model", bool)):
             object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property

@@ -128,6 +128,7 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
         size_mu=float(cfg.synthetic_size_mu),
         min_samples=int(cfg.synthetic_min_samples),
         dtype=cfg.dtype,
+        shared_model=cfg.synthetic_shared_model,
     )
     offsets = np.cumsum([0] + [len(y) for y in ys])
     users = [np.arange(offsets[i], offsets[i + 1]) for i in range(cfg.num_clients)]

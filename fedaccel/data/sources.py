@@ -121,6 +121,7 @@ def generate_synthetic(
     size_mu: float,
     min_samples: int,
     dtype: np.dtype = np.dtype(np.float32),
+    shared_model: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """FedProx's Synthetic-(alpha, beta) data, one (x, y) pair per user.
 
@@ -135,6 +136,14 @@ def generate_synthetic(
     Sizes are ``LogNormal(size_mu, 2) + min_samples`` clipped to
     ``max_samples``: FedProx uses (4, 50, no clip); FedCDR appendix G.1 uses
     (2, 10, 50). ``x`` is drawn in float64 and returned in ``dtype``.
+
+    The client models: FedProx's code draws each client's ``W_k ~ N(u_k, 1)``
+    and ``b_k ~ N(u_k, 1)`` with no common part (``shared_model=False``).
+    FedCDR's appendix G.1 writes ``W_k - W ~ N(u_k, 1)`` and
+    ``b_k - b ~ N(u_k, 1)`` around one model ``(W, b)`` that every client
+    shares (``shared_model=True``); the paper does not say how ``W`` and ``b``
+    are drawn, so they are ``N(0, 1)`` like the IID variant's model, drawn
+    after the feature means so that ``shared_model=False`` data is unchanged.
     """
     d, c = SYNTHETIC_DIM, SYNTHETIC_CLASSES
     sizes = rng.lognormal(size_mu, 2, num_users).astype(np.int64) + min_samples
@@ -149,6 +158,9 @@ def generate_synthetic(
         b_global = rng.normal(0.0, 1.0, c)
     else:
         mean_x = np.stack([rng.normal(big_b[i], 1.0, d) for i in range(num_users)])
+        if shared_model:
+            w_shared = rng.normal(0.0, 1.0, (d, c))
+            b_shared = rng.normal(0.0, 1.0, c)
     xs, ys = [], []
     for i in range(num_users):
         if iid:
@@ -156,6 +168,8 @@ def generate_synthetic(
         else:
             w = rng.normal(mean_w[i], 1.0, (d, c))
             b = rng.normal(mean_b[i], 1.0, c)
+            if shared_model:
+                w, b = w_shared + w, b_shared + b
         x = mean_x[i] + rng.standard_normal((int(sizes[i]), d)) * sqrt_diag
         # argmax(softmax(z)) == argmax(z)
         y = np.argmax(x @ w + b, axis=1).astype(np.int64)
