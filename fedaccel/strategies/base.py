@@ -355,9 +355,12 @@ class FedAccelStrategy:
             metrics_in = next(iter(records_of(m.content, MetricRecord).values()))
             if "state-lost" in metrics_in:
                 log_.state_lost += 1
-                log(WARNING, "round %s: client %s had lost its %s state (SuperNode restart with "
-                    "client-state='context'?); it restarted from the initial state, so the "
-                    "algorithm's invariants no longer hold exactly. Use client-state='disk'.",
+                log(WARNING, "round %s: client %s had lost its %s state (a SuperNode restarted "
+                    "with client-state='context', or, in Flower's simulation, a message of it "
+                    "that had timed out was still running when this one came); it restarted "
+                    "from the initial state, so the algorithm's invariants no longer hold "
+                    "exactly. Use client-state='disk' for restarts, and a round-timeout longer "
+                    "than the slowest client's round.",
                     server_round, pid_of.get(m.metadata.src_node_id), self.run_cfg.algo)
         if log_.stragglers and self.straggler_policy == "drop":
             kept = [m for m in ok if pid_of.get(m.metadata.src_node_id) not in log_.stragglers]
