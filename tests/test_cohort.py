@@ -821,7 +821,7 @@ def test_chunks_train_the_same_clients_to_the_same_weights(algo) -> None:
         if jobs[0].solver.overrides("cohort_begin_round"):
             assert begun == ([len(jobs)] if max_clients is None else [2, 2, 2, 1])
         if algo == "fedpm":  # a finished client keeps no FOOF matrices in memory
-            assert all(not job.solver.factors and not job.solver.used for job in jobs)
+            assert all(not job.solver.inverses and not job.solver.used for job in jobs)
         return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()] for r in results]
     for whole, chunked in zip(round_with(None), round_with(2)):
         for p, q in zip(whole, chunked):

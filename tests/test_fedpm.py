@@ -94,6 +94,26 @@ def test_upper_triangle_round_trip():
 
 
 # ---------------------------------------------------------------- mixing
+def test_damped_inverses_of_a_batch_with_a_matrix_without_a_factor():
+    """``damped_inverse_ex``: each matrix's ``(A + damping I)^-1`` (the
+    FOOF step multiplies by it), and a matrix without a Cholesky factor is
+    flagged in ``info`` without spoiling the others' inverses."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 7, 4, generator=g, dtype=torch.float64)
+    a = rows.mT @ rows / 7
+    a[1] = -torch.eye(4, dtype=torch.float64)  # -1 + 0.5: no factor
+    inverse, info = foof.damped_inverse_ex(a, 0.5)
+    assert info.tolist() == [0, 1, 0]
+    eye = torch.eye(4, dtype=torch.float64)
+    for c in (0, 2):
+        torch.testing.assert_close(inverse[c], torch.linalg.inv(a[c] + 0.5 * eye), rtol=1e-12, atol=1e-14)
+        grad = torch.randn(3, 4, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(foof.right_multiply(grad, inverse[c]),
+                                   torch.linalg.solve(a[c] + 0.5 * eye, grad.mT).mT, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ConfigError, match="localnewton.damping"):
+        foof.damped_inverse(a[1], 0.5, "localnewton")
+
+
 def test_identity_preconditioners_give_the_weighted_mean():
     rng = np.random.default_rng(0)
     clients = []

@@ -685,7 +685,7 @@ def fit_cohort(model: torch.nn.Module, jobs: list[CohortJob], batch_size: int,
     layer_inputs = own_batched(model, "batched_layer_inputs")
     for (lr, epochs), group in groups.items():
         # chunk by chunk, each client's work from before_steps to close_round,
-        # so that only one chunk's per-client tensors (FedPM's FOOF factors) live at once
+        # so that only one chunk's per-client tensors (FedPM's FOOF inverses) live at once
         for start in range(0, len(group), chunk):
             candidates, part = group[start:start + chunk], []
             first = candidates[0][1].solver

@@ -277,7 +277,7 @@ class FedPMSolver(LocalSolver):
         """:meth:`before_steps` of every member at once: each member's FOOF rows
         drawn from its own generator as before, one batched FOOF pass at the
         members' starting weights (:func:`fedaccel.clients.foof.stacked_foof`)
-        and the damped factors batched; a member whose matrix has no factor
+        and the damped inverses batched; a member whose matrix has no factor
         gets :meth:`before_steps`'s error, the others go on."""
         layers = self._chain_layers(model, layer_inputs)
         if layers is None:
@@ -287,11 +287,11 @@ class FedPMSolver(LocalSolver):
         for m in members:
             m.solver._x_foof = m.solver._foof_inputs(m.data, m.generator)
         used = foof.stacked_foof(layer_inputs, layers, weights, [m.solver._x_foof for m in members])
-        factors, infos = {}, {}
+        inverses, infos = {}, {}
         for name in layers:
-            factor, info = foof.damped_cholesky_ex(used[name], self.damping)
-            factors[name], infos[name] = factor.to(self.layers[name].weight.dtype), info.tolist()
-            del factor  # the float64 factor: only the layer's dtype is kept
+            inverse, info = foof.damped_inverse_ex(used[name], self.damping)
+            inverses[name], infos[name] = inverse.to(self.layers[name].weight.dtype), info.tolist()
+            del inverse  # the float64 inverse: only the layer's dtype is kept
         # with upload='end' only the first layer's matrix is uploaded as it is here
         packed = self._packed_rows({name: used[name] for name in (layers if self.upload_which == "used"
                                                                   else layers[:1])},
@@ -304,7 +304,7 @@ class FedPMSolver(LocalSolver):
                 problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping, self.cfg.algo))
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
-            m.solver.factors = {name: factors[name][c] for name in layers}
+            m.solver.inverses = {name: inverses[name][c] for name in layers}
             m.solver._upload_rows = (OrderedDict((name, (stack, c)) for name, stack in packed.items())
                                      if packed is not None else None)
             problems.append(None)
@@ -387,12 +387,10 @@ class FedPMSolver(LocalSolver):
     # ----------------------------------------------------------- FOOF
     def _refresh(self, model: torch.nn.Module) -> None:
         self.used = foof.compute_foof(model, self._x_foof)
-        # The factor is computed in float64, then the per-step solves run in the
-        # layer's dtype: for fc1 of cnn-small (1569 x 1569, 128 rows) one step's
-        # solve took 68 ms in float64 and 27 ms in float32 (1 thread), with a
-        # relative difference of 3e-7 (docs/measurements.md).
-        self.factors = {name: foof.damped_cholesky(a, self.damping, self.cfg.algo).to(self.layers[name].weight.dtype)
-                        for name, a in self.used.items()}
+        # The inverse is computed in float64 (from the Cholesky factor), then
+        # the per-step products run in the layer's dtype.
+        self.inverses = {name: foof.damped_inverse(a, self.damping, self.cfg.algo).to(self.layers[name].weight.dtype)
+                         for name, a in self.used.items()}
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
         # The round's one FOOF pass runs in local_training (more only with
@@ -437,10 +435,10 @@ class FedPMSolver(LocalSolver):
         super().transform_gradients(model)
 
     def cohort_bytes(self, model: torch.nn.Module) -> int:
-        """Per client: each layer's FOOF matrix (float64), its factor (the
-        layer's dtype) and the cohort's stacked copy of the factor; while the
-        batched pass factors a layer, its damped copy and float64 factor
-        (two float64 matrices more)."""
+        """Per client: each layer's FOOF matrix (float64), its inverse (the
+        layer's dtype) and the cohort's stacked copy of the inverse; while the
+        batched pass inverts a layer, its damped copy and float64 factor or
+        inverse (two float64 matrices more)."""
         total = 0
         for _, module in foof.foof_layers(model):
             d, size = foof.input_dim(module), module.weight.element_size()
@@ -449,33 +447,33 @@ class FedPMSolver(LocalSolver):
         return total + 2 * 8 * largest * largest
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The Cholesky factor of ``A + damping I`` of every preconditioned layer."""
-        return {"factor": [self.factors[name] for name in self.layers]}
+        """``(A + damping I)^-1`` of every preconditioned layer."""
+        return {"inverse": [self.inverses[name] for name in self.layers]}
 
     def gradient_transform(self, weights: list[torch.Tensor], grads: list[torch.Tensor],
                            tensors: dict[str, list[torch.Tensor]], leading: int = 0) -> None:
         """``G~ <- (G~ + wd W~) (A + damping I)^-1`` for every preconditioned
         layer (eq. (11), the regularised gradient preconditioned), ``g + wd w``
         for the other parameters; ``leading`` batch dims (the cohort's clients)
-        solve each client with its own factor."""
+        multiply each client's by its own inverse."""
         wd = self.cfg.weight_decay
         if wd:
             for w, g in zip(weights, grads):
                 if g is not None:
                     g.add_(w, alpha=wd)
-        for (wi, bi), factor in zip(self._layer_params, tensors["factor"]):
+        for (wi, bi), inverse in zip(self._layer_params, tensors["inverse"]):
             gw, gb = grads[wi], (grads[bi] if bi is not None else None)
             if gw is None:
                 continue
             g = foof.stacked_matrix(gw, gb, leading)
-            foof.write_stacked(gw, gb, foof.right_solve(g, factor), leading)
+            foof.write_stacked(gw, gb, foof.right_multiply(g, inverse), leading)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         # the round's matrices are done with after this (a cohort holds many clients' solvers)
         used, x_foof = getattr(self, "used", {}), getattr(self, "_x_foof", None)
         ends = getattr(self, "_end_matrices", None)  # the cohort trainer's batched pass (cohort_after_steps)
         rows = getattr(self, "_upload_rows", None)  # the cohort trainer's packed uploads
-        self._x_foof, self.used, self.factors, self._end_matrices, self._upload_rows = None, {}, {}, None, None
+        self._x_foof, self.used, self.inverses, self._end_matrices, self._upload_rows = None, {}, {}, None, None
         if not self.uploads_preconditioners:
             return {}
         if self.mode == "exact":

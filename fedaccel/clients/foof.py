@@ -246,6 +246,22 @@ def damped_cholesky_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, t
     return torch.linalg.cholesky_ex(a + damping * eye)
 
 
+def damped_inverse(a: torch.Tensor, damping: float, algo: str = "fedpm") -> torch.Tensor:
+    """``(a + damping I)^-1`` (float64) from its Cholesky factor; without a
+    factor, :func:`not_positive_definite` for ``algo``."""
+    return torch.cholesky_inverse(damped_cholesky(a, damping, algo))
+
+
+def damped_inverse_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a + damping I)^-1`` (float64) of every matrix of ``a`` (leading dims
+    are batch dims: a cohort's clients) and ``cholesky_ex``'s ``info`` (0 where
+    a factor exists; the other inverses are not to be used)."""
+    factor, info = damped_cholesky_ex(a, damping)
+    eye = torch.eye(a.shape[-1], dtype=factor.dtype, device=factor.device)
+    factor[info != 0] = eye  # no factor: an identity stands in, so the batched call runs
+    return torch.cholesky_inverse(factor), info
+
+
 def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> ConfigError:
     """The error of a preconditioner without a Cholesky factor: a user
     error (the client's one-line error reply, batched or not), fixed in
@@ -253,6 +269,16 @@ def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> Con
     return ConfigError(
         f"{algo}: preconditioner of size {size} is not positive definite "
         f"(damping={damping}); increase {algo}.damping (or weight-decay in the exact mode)")
+
+
+def right_multiply(g: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``g M^-1`` given ``M^-1`` (leading dims of both are batch dims: the
+    cohort trainer's clients). The FOOF step's product: one matrix product
+    per step where a solve with ``M``'s factor is two triangular solves
+    (FOOF itself inverts once per refresh: Benzing, "Gradient Descent on
+    Neurons and its Link to Approximate Second-Order Optimization", ICML
+    2022, arXiv:2201.12250)."""
+    return g.to(inverse.dtype) @ inverse
 
 
 def right_solve(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
