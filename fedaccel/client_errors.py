@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 import traceback
 from collections.abc import Callable
-from logging import WARNING
+from logging import DEBUG, ERROR, WARNING
 
-from flwr.app import Error, Message
+from flwr.app import Context, Error, Message
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
@@ -25,6 +25,24 @@ def exception_reply(message: Message, err: BaseException) -> Message:
     boom``): the fast runner's, and one client's of a cohort node's slice."""
     reason = "".join(traceback.format_exception_only(type(err), err)).strip()
     return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+
+
+def node_label(context: Context) -> str:
+    """``node <node id> (partition <partition-id>)``, as the server's log shows it."""
+    return f"node {context.node_id} (partition {context.node_config.get('partition-id', '?')})"
+
+
+_RAISED: set[str] = set()  # the exceptions this process has logged with their traceback
+
+
+def log_raised(label: str, err: BaseException) -> None:
+    """Log a client's exception (a bug, not a user error) with its traceback,
+    the first time this process sees that error (``label`` names the node);
+    later at DEBUG. What a SuperNode does for a ClientApp exception, for the
+    fast runner's and the cohort nodes' clients, batched or not."""
+    reason = "".join(traceback.format_exception_only(type(err), err)).strip()
+    log(DEBUG if reason in _RAISED else ERROR, "[fedaccel] %s raised", label, exc_info=err)
+    _RAISED.add(reason)
 
 
 def last_line(reason: str | None) -> str:

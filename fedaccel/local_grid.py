@@ -31,7 +31,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedaccel.checkpoint import (disk_state_files, record_dict_bytes, record_dict_from_bytes,
                                  restore_disk_state_files)
-from fedaccel.client_errors import exception_reply
+from fedaccel.client_errors import exception_reply, log_raised, node_label
 from fedaccel.clients.stacked_state import StackedClientStates, StackedStateRecord
 from fedaccel.clients.state import state_run_dir
 from fedaccel.torch_utils import derive_seed
@@ -192,7 +192,8 @@ class LocalGrid(Grid):
         items = [(m, self.contexts[m.metadata.dst_node_id]) for m in messages]
         try:
             replies = self.cohort_trainer(items)
-        except Exception as err:  # a client failure is a reply, as in Flower
+        except Exception as err:  # a client failure is a reply, as in Flower (which logs it)
+            log_raised(f"a cohort of {len(messages)} clients", err)
             replies = [exception_reply(m, err) for m in messages]
         for message_id, reply in zip(message_ids, replies):
             self._replies[message_id] = reply
@@ -204,6 +205,7 @@ class LocalGrid(Grid):
                                  f"unknown node {message.metadata.dst_node_id}"), reply_to=message)
         try:
             reply = self.client_app(message, context)
-        except Exception as err:  # a client failure is a reply, as in Flower
+        except Exception as err:  # a client failure is a reply, as in Flower (which logs it)
+            log_raised(node_label(context), err)
             return exception_reply(message, err)
         return reply

@@ -341,6 +341,34 @@ def test_a_batched_client_whose_code_raises_fails_alone(tmp_path, monkeypatch, a
     assert sorted(r for rounds in seen.values() for r in rounds) == [2, 3]
 
 
+@pytest.mark.parametrize("cohort", [False, True])
+def test_a_client_that_raises_is_logged_with_its_traceback_once(tmp_path, monkeypatch, caplog, cohort):
+    """A bug raised in a client's code: its node logs the traceback once
+    (later the same error at DEBUG), as a SuperNode does, whether the fast
+    runner trains its clients one after another or batched."""
+    import logging
+
+    import fedaccel.client_errors as client_errors
+    from fedaccel.clients.base import LocalSolver
+
+    monkeypatch.setattr(client_errors, "_RAISED", set())  # the process may have seen "boom" before
+    real, calls = LocalSolver.close_round, []
+
+    def raising(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) in (4, 8):
+            raise RuntimeError("boom")
+        return out
+    monkeypatch.setattr(LocalSolver, "close_round", raising)
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    run_with_faults(tmp_path, "scaffold", {}, rounds=3, cohort=cohort, **{"straggler-fraction": 0.0})
+    raised = [r for r in caplog.records if r.getMessage().endswith(" raised")]
+    assert [r.levelno for r in raised] == [logging.ERROR, logging.DEBUG]
+    assert all(isinstance(r.exc_info[1], RuntimeError) and str(r.exc_info[1]) == "boom" for r in raised)
+    assert raised[0].getMessage().startswith("[fedaccel] node ")
+
+
 @pytest.mark.parametrize("algo,cohort", [pytest.param("scaffold", False, marks=SLOW), ("scaffold", True),
                                          ("fedpm", True), pytest.param("fedpm", False, marks=SLOW)])
 def test_a_reply_whose_extra_record_is_malformed_is_rejected(tmp_path, algo, cohort):

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 from functools import lru_cache
-from logging import DEBUG, ERROR, INFO
+from logging import DEBUG, INFO
 from typing import Any, Callable
 
 import numpy as np
@@ -40,7 +40,7 @@ from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fal
 from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
 from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
-from fedaccel.client_errors import exception_reply
+from fedaccel.client_errors import exception_reply, log_raised, node_label
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into, metric_record, record_dict, records_of
 from fedaccel.contract import ContractError
@@ -225,11 +225,6 @@ def _round_inputs(rt: ClientRuntime, context: Context, config: dict[str, Any]) -
     return state, seeded_generator(rt.cfg.seed, server_round, rt.partition_id, "train")
 
 
-def node_label(context: Context) -> str:
-    """``node <node id> (partition <partition-id>)``, as the server's log shows it."""
-    return f"node {context.node_id} (partition {context.node_config.get('partition-id', '?')})"
-
-
 def one_line(text: str) -> str:
     """``text`` on one line (a message that spans lines keeps its words)."""
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip()) or "no reason given"
@@ -373,11 +368,8 @@ def _bug_reply(msg: Message, context: Context, err: BaseException) -> Message:
     error (a bug): Flower's reply for a ClientApp exception, its traceback in
     this node's log (the first time this process sees that error; later at
     DEBUG), whether its clients train batched or one after another."""
-    reply = exception_reply(msg, err)
-    cause = f"raised: {reply.error.reason}"
-    log(DEBUG if cause in _REPORTED else ERROR, "[fedaccel] %s raised", node_label(context), exc_info=err)
-    _REPORTED.add(cause)
-    return reply
+    log_raised(node_label(context), err)
+    return exception_reply(msg, err)
 
 
 def _partition_key(context: Context, index: int) -> tuple[int, int, int]:
