@@ -342,7 +342,7 @@ def restore_carried_state(strategy: Any, ckpt: Checkpoint) -> None:
 # Run-config keys added after checkpoints were written, with the value that
 # does what runs did before the key existed: a checkpoint without the key
 # ran with that value (and resumes with it).
-KEYS_ADDED_LATER = {"gc.global-scope": "split"}
+KEYS_ADDED_LATER = {"gc.global-scope": "split", "synthetic.shared-model": False}
 
 
 def config_mismatch(saved: dict[str, Any], given: dict[str, Any]) -> list[str]:

@@ -269,6 +269,10 @@ def test_a_checkpoint_older_than_a_key_resumes_with_the_value_runs_had_before_it
     assert config_mismatch(saved, {**saved, "gc.global-scope": "all"}) == [
         "gc.global-scope='all' (checkpoint: 'split')"]
     assert config_mismatch(saved, {**saved, "gc.lambda": 0.5}) == ["gc.lambda=0.5 (checkpoint: '<absent>')"]
+    # synthetic.shared-model (2026-11-28): every run before it drew FedProx's independent client models
+    assert config_mismatch(saved, {**saved, "synthetic.shared-model": False}) == []
+    assert config_mismatch(saved, {**saved, "synthetic.shared-model": True}) == [
+        "synthetic.shared-model=true (checkpoint: false)"]
 
 
 def test_resume_with_a_new_checkpoint_interval_is_allowed(checkpointed_run, capsys):

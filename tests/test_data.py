@@ -188,6 +188,23 @@ def test_synthetic_client_models_are_drawn_as_the_paper_writes(shared):
         np.testing.assert_array_equal(got, want)
 
 
+def test_the_shared_model_key_reaches_the_generated_data():
+    """``synthetic.shared-model=true`` in a run config gives the clients the
+    shared model's labels (run config -> DataConfig -> generator)."""
+    from fedaccel.local_run import default_run_config, fuse
+    from fedaccel.run_config import parse_run_config
+    from fedaccel.runtime import data_config_for
+
+    def labels(shared):
+        cfg = parse_run_config(fuse(default_run_config(), {"synthetic.shared-model": shared}))
+        data_cfg = data_config_for(cfg, 4)
+        assert data_cfg.synthetic_shared_model is shared
+        return load_federated(data_cfg).training_rows()[1]
+
+    shared, own = labels(True), labels(False)
+    assert len(shared) == len(own) and not np.array_equal(shared, own)
+
+
 def test_synthetic_shared_model_is_refused_with_iid():
     with pytest.raises(DataError, match="synthetic.shared-model=true applies to the non-IID"):
         DataConfig(synthetic_iid=True, synthetic_shared_model=True)
