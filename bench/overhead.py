@@ -246,13 +246,13 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
             for pid in ids:
                 x, y = train[pid]
                 model.load_state_dict(glob)
-                inverses = {n: foof.damped_inverse(a, damping).float()
-                            for n, a in foof.compute_foof(model, x).items()}
+                factors = {n: foof.damped_cholesky(a, damping).float()
+                           for n, a in foof.compute_foof(model, x).items()}
 
                 def precondition() -> None:
                     for n, module in layers.items():
                         g = foof.weight_matrix(module, grad=True)
-                        foof.write_matrix(module, foof.right_multiply(g, inverses[n]), grad=True)
+                        foof.write_matrix(module, foof.right_solve(g, factors[n]), grad=True)
                 local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), precondition)
                 a_end = foof.compute_foof(model, x)  # upload='end': FOOF at the final weights
                 p = len(y) / total

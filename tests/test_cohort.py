@@ -821,7 +821,7 @@ def test_chunks_train_the_same_clients_to_the_same_weights(algo) -> None:
         if jobs[0].solver.overrides("cohort_begin_round"):
             assert begun == ([len(jobs)] if max_clients is None else [2, 2, 2, 1])
         if algo == "fedpm":  # a finished client keeps no FOOF matrices in memory
-            assert all(not job.solver.inverses and not job.solver.used for job in jobs)
+            assert all(not job.solver.inverses and not job.solver.factors and not job.solver.used for job in jobs)
         return [[torch.from_numpy(a.numpy()) for a in r.arrays.values()] for r in results]
     for whole, chunked in zip(round_with(None), round_with(2)):
         for p, q in zip(whole, chunked):
@@ -834,8 +834,8 @@ def test_fedpm_counts_its_foof_matrices_in_the_chunk_estimate() -> None:
     model = make_model()
     solver = get_algorithm("fedpm").solver(run_cfg("fedpm"))
     d = [7, 33]  # the 6-32-3 MLP's layers: inputs + bias
-    # each layer's float64 matrix and two factors; the batched pass's float64 temporaries of the largest
-    assert solver.cohort_bytes(model) == sum(k * k * (8 + 2 * 4) for k in d) + 2 * 8 * 33 * 33
+    # each layer's float64 matrix and two inverses (or factors); the batched pass's float64 temporaries
+    assert solver.cohort_bytes(model) == sum(k * k * (8 + 2 * 4) for k in d) + 3 * 8 * 33 * 33
     assert LocalSolver(run_cfg("fedavg")).cohort_bytes(model) == 0
     plain = bytes_per_client(model, torch.zeros(6), 16)
     assert bytes_per_client(model, torch.zeros(6), 16, solver.cohort_bytes(model)) == plain + solver.cohort_bytes(model)

@@ -112,6 +112,35 @@ def test_damped_inverses_of_a_batch_with_a_matrix_without_a_factor():
                                    torch.linalg.solve(a[c] + 0.5 * eye, grad.mT).mT, rtol=1e-12, atol=1e-14)
     with pytest.raises(ConfigError, match="localnewton.damping"):
         foof.damped_inverse(a[1], 0.5, "localnewton")
+    # an exactly singular matrix (dead units at damping 0): flagged, the batch not stopped
+    inverse, info = foof.damped_inverse_ex(torch.stack([2 * eye, torch.zeros(4, 4, dtype=torch.float64)]), 0.0)
+    assert info.tolist()[0] == 0 and info.tolist()[1] != 0
+    torch.testing.assert_close(inverse[0], eye / 2)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_each_step_preconditions_in_the_layers_dtype(monkeypatch, batched):
+    """The float64 inverse (batched) or factor (one client after another)
+    is kept in the layer's dtype, so float32 steps run in float32; the
+    batched trainer multiplies by inverses, one client alone solves with
+    factors (docs/fedpm.md)."""
+    from fedaccel.clients.cohort import fit_cohort
+    from fedaccel.models import build_model
+
+    seen = []
+    for name in ("right_multiply", "right_solve"):
+        real = getattr(foof, name)
+        monkeypatch.setattr(foof, name, lambda g, m, real=real, name=name: seen.append((name, m.dtype)) or real(g, m))
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
+    model = build_model("mlp", (6,), 3)
+    if batched:
+        fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
+    else:
+        FedPMSolver(cfg).fit(copy.deepcopy(model), datas[0], train_config_record(1, 0.1, 1), None,
+                             torch.Generator().manual_seed(0))
+    assert seen and set(seen) == {("right_multiply" if batched else "right_solve", torch.float32)}
 
 
 def test_identity_preconditioners_give_the_weighted_mean():

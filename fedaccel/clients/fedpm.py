@@ -304,7 +304,7 @@ class FedPMSolver(LocalSolver):
                 problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping, self.cfg.algo))
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
-            m.solver.inverses = {name: inverses[name][c] for name in layers}
+            m.solver.inverses, m.solver.factors = {name: inverses[name][c] for name in layers}, {}
             m.solver._upload_rows = (OrderedDict((name, (stack, c)) for name, stack in packed.items())
                                      if packed is not None else None)
             problems.append(None)
@@ -387,10 +387,16 @@ class FedPMSolver(LocalSolver):
     # ----------------------------------------------------------- FOOF
     def _refresh(self, model: torch.nn.Module) -> None:
         self.used = foof.compute_foof(model, self._x_foof)
-        # The inverse is computed in float64 (from the Cholesky factor), then
-        # the per-step products run in the layer's dtype.
-        self.inverses = {name: foof.damped_inverse(a, self.damping, self.cfg.algo).to(self.layers[name].weight.dtype)
-                         for name, a in self.used.items()}
+        # One client after another, each step solves with the Cholesky factor
+        # (computed in float64, the solves in the layer's dtype: for fc1 of
+        # cnn-small, 1569 x 1569 with 128 rows, 68 ms a step in float64 and 27
+        # in float32, 3e-7 apart; docs/measurements.md). An inverse would cost
+        # more than a round of steps saves on such a layer (docs/fedpm.md);
+        # the batched trainer uses one (cohort_before_steps), where a batched
+        # solve takes the clients' matrices one at a time.
+        self.inverses = {}
+        self.factors = {name: foof.damped_cholesky(a, self.damping, self.cfg.algo).to(self.layers[name].weight.dtype)
+                        for name, a in self.used.items()}
 
     def begin_round(self, model: torch.nn.Module, config: TrainConfig, state: ClientState) -> None:
         # The round's one FOOF pass runs in local_training (more only with
@@ -435,45 +441,54 @@ class FedPMSolver(LocalSolver):
         super().transform_gradients(model)
 
     def cohort_bytes(self, model: torch.nn.Module) -> int:
-        """Per client: each layer's FOOF matrix (float64), its inverse (the
-        layer's dtype) and the cohort's stacked copy of the inverse; while the
-        batched pass inverts a layer, its damped copy and float64 factor or
-        inverse (two float64 matrices more)."""
+        """Per client: each layer's FOOF matrix (float64), its inverse or
+        factor (the layer's dtype) and the cohort's stacked copy of it; while
+        the batched pass inverts a layer, its damped copy, float64 factor and
+        inverse (three float64 matrices more: a GPU's ``cholesky_inverse``
+        keeps a working copy too)."""
         total = 0
         for _, module in foof.foof_layers(model):
             d, size = foof.input_dim(module), module.weight.element_size()
             total += d * d * (8 + 2 * size)
         largest = max((foof.input_dim(m) for _, m in foof.foof_layers(model)), default=0)
-        return total + 2 * 8 * largest * largest
+        return total + 3 * 8 * largest * largest
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """``(A + damping I)^-1`` of every preconditioned layer."""
-        return {"inverse": [self.inverses[name] for name in self.layers]}
+        """Per preconditioned layer, ``(A + damping I)^-1`` (a batched round's
+        clients, :meth:`cohort_before_steps`) or its Cholesky factor (one
+        client after another, :meth:`_refresh`)."""
+        if self.inverses:
+            return {"inverse": [self.inverses[name] for name in self.layers]}
+        return {"factor": [self.factors[name] for name in self.layers]}
 
     def gradient_transform(self, weights: list[torch.Tensor], grads: list[torch.Tensor],
                            tensors: dict[str, list[torch.Tensor]], leading: int = 0) -> None:
         """``G~ <- (G~ + wd W~) (A + damping I)^-1`` for every preconditioned
         layer (eq. (11), the regularised gradient preconditioned), ``g + wd w``
         for the other parameters; ``leading`` batch dims (the cohort's clients)
-        multiply each client's by its own inverse."""
+        precondition each client's with its own inverse (a product) or factor
+        (two triangular solves): the same values to float32 rounding."""
         wd = self.cfg.weight_decay
         if wd:
             for w, g in zip(weights, grads):
                 if g is not None:
                     g.add_(w, alpha=wd)
-        for (wi, bi), inverse in zip(self._layer_params, tensors["inverse"]):
+        by_inverse = "inverse" in tensors
+        apply = foof.right_multiply if by_inverse else foof.right_solve
+        for (wi, bi), mat in zip(self._layer_params, tensors["inverse" if by_inverse else "factor"]):
             gw, gb = grads[wi], (grads[bi] if bi is not None else None)
             if gw is None:
                 continue
             g = foof.stacked_matrix(gw, gb, leading)
-            foof.write_stacked(gw, gb, foof.right_multiply(g, inverse), leading)
+            foof.write_stacked(gw, gb, apply(g, mat), leading)
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         # the round's matrices are done with after this (a cohort holds many clients' solvers)
         used, x_foof = getattr(self, "used", {}), getattr(self, "_x_foof", None)
         ends = getattr(self, "_end_matrices", None)  # the cohort trainer's batched pass (cohort_after_steps)
         rows = getattr(self, "_upload_rows", None)  # the cohort trainer's packed uploads
-        self._x_foof, self.used, self.inverses, self._end_matrices, self._upload_rows = None, {}, {}, None, None
+        self._x_foof, self.used, self.inverses, self.factors = None, {}, {}, {}
+        self._end_matrices, self._upload_rows = None, None
         if not self.uploads_preconditioners:
             return {}
         if self.mode == "exact":
