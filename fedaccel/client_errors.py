@@ -18,6 +18,9 @@ from flwr.app import Context, Error, Message
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
+from fedaccel.contract import ContractError
+from fedaccel.errors import USER_ERRORS
+
 
 def exception_reply(message: Message, err: BaseException) -> Message:
     """The error reply Flower's engines give for an exception raised in the
@@ -39,7 +42,11 @@ def log_raised(label: str, err: BaseException) -> None:
     """Log a client's exception (a bug, not a user error) with its traceback,
     the first time this process sees that error (``label`` names the node);
     later at DEBUG. What a SuperNode does for a ClientApp exception, for the
-    fast runner's and the cohort nodes' clients, batched or not."""
+    fast runner's and the cohort nodes' clients, batched or not. A user
+    error (or a message another version's contract) is never logged so: its
+    reply's one line says it."""
+    if isinstance(err, (*USER_ERRORS, ContractError)):
+        return
     reason = "".join(traceback.format_exception_only(type(err), err)).strip()
     log(DEBUG if reason in _RAISED else ERROR, "[fedaccel] %s raised", label, exc_info=err)
     _RAISED.add(reason)

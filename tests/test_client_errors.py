@@ -386,3 +386,24 @@ def test_a_hundred_failing_rounds_log_the_cause_once(caplog):
     assert len(warnings) == 3, warnings  # the cause, round 1's count, the repeats at the end
     assert warnings[-1] == ("[fedaccel] client failed in 100 of 100 rounds (reported once above, "
                             f"first in round 1): {reason}")
+
+
+def test_a_bug_is_logged_with_its_traceback_once_and_a_user_error_never(monkeypatch, caplog):
+    """``log_raised``: a client's bug gets its traceback in the log the first
+    time (later at DEBUG); a user error, or a message of another version's
+    contract, is left to its reply's one line."""
+    import fedaccel.client_errors as client_errors
+    from fedaccel.config import ConfigError
+    from fedaccel.contract import ContractError
+
+    monkeypatch.setattr(client_errors, "_RAISED", set())
+    caplog.set_level(logging.DEBUG, logger="flwr")
+    for err in (ConfigError("lr=-1: must be > 0"), ContractError("unknown key"), RuntimeError("boom"),
+                RuntimeError("boom")):
+        try:
+            raise err
+        except Exception as raised:  # noqa: BLE001 - logged with its traceback
+            client_errors.log_raised("node 7 (partition 2)", raised)
+    records = [r for r in caplog.records if r.getMessage() == "[fedaccel] node 7 (partition 2) raised"]
+    assert [r.levelno for r in records] == [logging.ERROR, logging.DEBUG]
+    assert all(str(r.exc_info[1]) == "boom" for r in records)

@@ -225,6 +225,9 @@ class FedPMSolver(LocalSolver):
         self.mode = self.params.mode
         upload = getattr(self.params, "upload", "auto")
         self.upload_which = "used" if upload == "auto" else upload
+        # a round's preconditioners: inverses (batched) or Cholesky factors (one client alone)
+        self.inverses: dict[str, torch.Tensor] = {}
+        self.factors: dict[str, torch.Tensor] = {}
         check_exact_clip(cfg)
 
     # --------------------------------------------------------- shared

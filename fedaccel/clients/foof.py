@@ -246,12 +246,6 @@ def damped_cholesky_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, t
     return torch.linalg.cholesky_ex(a + damping * eye)
 
 
-def damped_inverse(a: torch.Tensor, damping: float, algo: str = "fedpm") -> torch.Tensor:
-    """``(a + damping I)^-1`` (float64) from its Cholesky factor; without a
-    factor, :func:`not_positive_definite` for ``algo``."""
-    return torch.cholesky_inverse(damped_cholesky(a, damping, algo))
-
-
 def damped_inverse_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a + damping I)^-1`` (float64) of every matrix of ``a`` (leading dims
     are batch dims: a cohort's clients) and ``cholesky_ex``'s ``info`` (0 where
