@@ -43,7 +43,7 @@ def log_raised(label: str, err: BaseException) -> None:
     the first time this process sees that error (``label`` names the node);
     later at DEBUG. What a SuperNode does for a ClientApp exception, for the
     fast runner's and the cohort nodes' clients, batched or not. A user
-    error (or a message another version's contract) is never logged so: its
+    error (or a message of another version's contract) is never logged so: its
     reply's one line says it."""
     if isinstance(err, (*USER_ERRORS, ContractError)):
         return

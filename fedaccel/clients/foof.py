@@ -270,8 +270,8 @@ def right_multiply(g: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     cohort trainer's clients). The FOOF step's product: one matrix product
     per step where a solve with ``M``'s factor is two triangular solves
     (FOOF itself inverts once per refresh: Benzing, "Gradient Descent on
-    Neurons and its Link to Approximate Second-Order Optimization", ICML
-    2022, arXiv:2201.12250)."""
+    Neurons and its Link to Approximate Second-order Optimization", ICML
+    2022, PMLR 162)."""
     return g.to(inverse.dtype) @ inverse
 
 
