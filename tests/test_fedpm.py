@@ -123,16 +123,13 @@ def test_each_step_preconditions_in_the_layers_dtype(monkeypatch, batched):
     batched trainer multiplies by inverses, one client alone solves with
     factors (docs/fedpm.md)."""
     from fedaccel.clients.cohort import fit_cohort
-    from fedaccel.models import build_model
 
     seen = []
     for name in ("right_multiply", "right_solve"):
         real = getattr(foof, name)
         monkeypatch.setattr(foof, name, lambda g, m, real=real, name=name: seen.append((name, m.dtype)) or real(g, m))
     cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
-    torch.manual_seed(0)
-    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
-    model = build_model("mlp", (6,), 3)
+    model, datas = ragged_mlp_clients()
     if batched:
         fit_cohort(copy.deepcopy(model), fedpm_jobs(cfg, model, datas), 4)
     else:
@@ -630,6 +627,16 @@ def fedpm_jobs(cfg, model, datas):
             for c, data in enumerate(datas)]
 
 
+def ragged_mlp_clients() -> tuple[nn.Module, list[TrainData]]:
+    """Three clients of 5, 12 and 3 samples (6 features, 3 classes) and the
+    6-32-3 MLP, seeded."""
+    from fedaccel.models import build_model
+
+    torch.manual_seed(0)
+    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
+    return build_model("mlp", (6,), 3), datas
+
+
 @pytest.mark.parametrize("upload", ["auto", "end"])
 def test_a_batched_fedpm_round_makes_no_per_client_foof_pass(monkeypatch, upload):
     """With an MLP the cohort trainer forms every client's FOOF matrices in
@@ -644,9 +651,8 @@ def test_a_batched_fedpm_round_makes_no_per_client_foof_pass(monkeypatch, upload
     real = foof.stacked_foof
     monkeypatch.setattr(foof, "stacked_foof", lambda *a, **k: stacked.append(len(a[3])) or real(*a, **k))
     cfg = run_cfg(algo="fedpm", **{"batch-size": 4, "fedpm.upload": upload})
-    torch.manual_seed(0)
-    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
-    jobs = fedpm_jobs(cfg, build_model("mlp", (6,), 3), datas)
+    model, datas = ragged_mlp_clients()
+    jobs = fedpm_jobs(cfg, model, datas)
     shown = []  # each client's matrices as the per-client upload would pack them
     real_end = FedPMSolver.end_round
 
@@ -681,7 +687,6 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch, bug
     pass returns for one client (``bug``: a RuntimeError in place of the
     missing factor's error) is that client's result alone."""
     from fedaccel.clients.cohort import fit_cohort
-    from fedaccel.models import build_model
 
     real = foof.damped_cholesky_ex
 
@@ -695,9 +700,7 @@ def test_a_batched_client_without_a_cholesky_factor_fails_alone(monkeypatch, bug
     if bug:
         monkeypatch.setattr(foof, "not_positive_definite", lambda size, damping, algo="fedpm": RuntimeError("boom"))
     cfg = run_cfg(algo="fedpm", **{"batch-size": 4})
-    torch.manual_seed(0)
-    datas = [TrainData(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (5, 12, 3)]
-    model = build_model("mlp", (6,), 3)
+    model, datas = ragged_mlp_clients()
     jobs = fedpm_jobs(cfg, model, datas)
     results = fit_cohort(copy.deepcopy(model), jobs, 4)
     if bug:
