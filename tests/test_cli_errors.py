@@ -59,6 +59,9 @@ def one_error_line(err: str) -> str:
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
+    (["synthetic.shared-model='yes'"], 2, "synthetic.shared-model='yes': must be true or false"),
+    (["synthetic.shared-model=true", "synthetic.iid=true"], 2,
+     "synthetic.shared-model=true: applies to the non-IID generator only"),
 ])
 def test_config_mistakes_get_one_line_and_exit_2(tmp_path, capsys, args, code, wanted):
     got, out, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL, *args)
