@@ -577,9 +577,11 @@ def test_a_test1_run_of_the_fast_runner_is_the_bench_scripts_run_in_float64(monk
 # ------------------------------------------------- the cohort's FOOF pass
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
 @pytest.mark.parametrize("max_bytes", [64 << 20, 1])  # all chunks at once, or one chunk at a time
-def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes):
+@pytest.mark.parametrize("batch_size", [4, 32])  # chunks across clients' sizes, or every client in one chunk
+def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes, batch_size):
     """C clients' FOOF matrices at once, each at its own weights: ragged sizes
-    across chunk boundaries (1, 5, 7, 8, 9, 20 rows in chunks of 4), the
+    across chunk boundaries (1, 5, 7, 8, 9, 20 rows in chunks of 4), or every
+    client in one chunk padded to the largest (20 rows, in chunks of 32), the
     hidden layer's input included (relu of the client's first layer)."""
     from fedaccel.models import build_model
 
@@ -594,10 +596,10 @@ def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes):
     weights = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
                for name, _ in template.named_parameters()}
     layers = [name for name, _ in foof.foof_layers(template)]
-    got = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=4, max_bytes=max_bytes)
+    got = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=batch_size, max_bytes=max_bytes)
     assert list(got) == layers
     for c, (m, x) in enumerate(zip(models, xs)):
-        want = foof.compute_foof(m, x, batch_size=4)
+        want = foof.compute_foof(m, x, batch_size=batch_size)
         for name in layers:
             assert got[name][c].dtype == torch.float64
             torch.testing.assert_close(got[name][c], want[name], rtol=rtol, atol=rtol, msg=f"client {c} {name}")
@@ -607,11 +609,11 @@ def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes):
     torch.testing.assert_close(got[layers[0]][2], xt.T @ xt / len(x), rtol=rtol, atol=rtol)
     # `only`: the later layers' matrices alone, the same bits (the first layer's input
     # is the data, so the trainer's pass at the trained weights reuses that one)
-    later = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=4,
+    later = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=batch_size,
                               max_bytes=max_bytes, only=layers[1:])
     assert list(later) == layers[1:] and all(torch.equal(later[n], got[n]) for n in layers[1:])
     moved = {name: w + 1.0 for name, w in weights.items()}  # other weights: the first layer's matrix stays
-    again = foof.stacked_foof(template.batched_layer_inputs, layers, moved, xs, batch_size=4, max_bytes=max_bytes)
+    again = foof.stacked_foof(template.batched_layer_inputs, layers, moved, xs, batch_size=batch_size, max_bytes=max_bytes)
     assert torch.equal(again[layers[0]], got[layers[0]]) and not torch.equal(again[layers[1]], got[layers[1]])
 
 

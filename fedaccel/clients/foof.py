@@ -140,7 +140,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     flattened (so the first layer's matrix does not depend on the weights).
 
     The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
-    ``batch_size`` (its last chunk padded with zero rows, which add nothing),
+    ``batch_size`` (its last chunk padded with zero rows, which add nothing,
+    up to the largest chunk of the cohort),
     each chunk's ``R^T R`` a product in the model's dtype, a client's chunks
     summed in float64 in order (the same order on any device), then divided
     by its rows. Here every chunk of every client is one row of a batch (its
@@ -160,18 +161,21 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     per_client = -(-counts // batch_size)  # chunks of each client
     owner = np.repeat(np.arange(len(xs)), per_client)  # each chunk's client
     first_chunk = np.repeat(np.cumsum(per_client) - per_client, per_client)
-    slot = (np.arange(len(owner)) - first_chunk)[:, None] * batch_size + np.arange(batch_size)  # [K, B]
+    # a chunk holds at most `width` rows: with every client under batch_size
+    # rows, the zero padding of each chunk stops at the largest client
+    width = int(min(batch_size, counts.max()))
+    slot = (np.arange(len(owner)) - first_chunk)[:, None] * batch_size + np.arange(width)  # [K, width]
     valid = slot < counts[owner][:, None]
     x_all = torch.cat(xs + [xs[0].new_zeros((1,) + xs[0].shape[1:])])  # a padded slot reads the zero row
     row_index = np.where(valid, (np.cumsum(counts) - counts)[owner][:, None] + slot, x_all.shape[0] - 1)
     device, dtype = x_all.device, weights[f"{layers[0]}.weight"].dtype
     owner_t = torch.from_numpy(owner).to(device)
     row_index_t = torch.from_numpy(row_index).to(device)
-    mask_t = torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(1)  # [K, 1, B]
+    mask_t = torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(1)  # [K, 1, width]
     real_t = torch.from_numpy(valid.sum(axis=1)).to(device=device, dtype=torch.float64)  # [K]
     dims = [int(weights[f"{name}.weight"][0][0].numel()) for name in layers]  # inputs, without the bias
     size = torch.finfo(dtype).bits // 8
-    per_chunk = (batch_size * (int(x_all[0].numel()) + 2 * sum(dims)) * size
+    per_chunk = (width * (int(x_all[0].numel()) + 2 * sum(dims)) * size
                  + sum(d * d for d in dims) * (size + 8) + sum(int(w[0].numel()) for w in weights.values()) * size)
     step = max(1, max_bytes // per_chunk)
     wanted = [only is None or name in only for name in layers]
@@ -180,8 +184,10 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     for begin in range(0, len(owner), step):
         end = min(begin + step, len(owner))
         chunk_owner = owner_t[begin:end]
-        # the group's chunks by their position within their client (not index_add_,
-        # whose order of sums is not fixed on a GPU)
+        # the group's chunks by their position within their client, added one
+        # position at a time: each index_add_ adds at most one chunk to a client,
+        # so its sums come in chunk order on any device (all of a client's
+        # chunks in one index_add_ would be summed in no fixed order on a GPU)
         position = np.arange(begin, end) - first_chunk[begin:end]
         by_position = []
         for k in np.unique(position):
@@ -189,7 +195,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             by_position.append((torch.from_numpy(at).to(device), owner_t[begin + at]))
         x = x_all.index_select(0, row_index_t[begin:end].reshape(-1)).to(dtype)
         p = {k: v.index_select(0, chunk_owner) for k, v in weights.items()}
-        inputs = layer_inputs(p, x.view((end - begin, batch_size) + x_all.shape[1:]))
+        inputs = layer_inputs(p, x.view((end - begin, width) + x_all.shape[1:]))
         for i, (a, d) in enumerate(zip(inputs, dims)):
             if not wanted[i]:
                 continue
@@ -201,7 +207,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             full[:, d, :d] = full[:, :d, d]
             full[:, d, d] = real_t[begin:end]
             for at, owners in by_position:  # a client's chunks in order; no client twice in one add
-                sums[i].index_copy_(0, owners, sums[i].index_select(0, owners) + full.index_select(0, at))
+                sums[i].index_add_(0, owners, full if len(at) == end - begin else full.index_select(0, at))
     divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums) if s is not None)
 
