@@ -576,7 +576,8 @@ def test_a_test1_run_of_the_fast_runner_is_the_bench_scripts_run_in_float64(monk
 
 # ------------------------------------------------- the cohort's FOOF pass
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float64, 1e-13)])
-@pytest.mark.parametrize("max_bytes", [64 << 20, 1])  # all chunks at once, or one chunk at a time
+# all chunks at once, a few chunks (2-3) at a time, or one chunk at a time
+@pytest.mark.parametrize("max_bytes", [64 << 20, 40_000, 1])
 @pytest.mark.parametrize("batch_size", [4, 32])  # chunks across clients' sizes, or every client in one chunk
 def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes, batch_size):
     """C clients' FOOF matrices at once, each at its own weights: ragged sizes
@@ -615,6 +616,42 @@ def test_stacked_foof_is_each_clients_compute_foof(dtype, rtol, max_bytes, batch
     moved = {name: w + 1.0 for name, w in weights.items()}  # other weights: the first layer's matrix stays
     again = foof.stacked_foof(template.batched_layer_inputs, layers, moved, xs, batch_size=batch_size, max_bytes=max_bytes)
     assert torch.equal(again[layers[0]], got[layers[0]]) and not torch.equal(again[layers[1]], got[layers[1]])
+
+
+@pytest.mark.parametrize("max_bytes", [64 << 20, 40_000, 1])
+def test_stacked_foof_sums_each_clients_chunks_in_order(max_bytes):
+    """The float64 sum of a client's chunks in chunk order, as compute_foof
+    adds them, to the bit: each chunk has one nonzero row of +-2^k entries, so
+    every chunk's matrix is exact and only the order of the sums can move the
+    bits (checked: the reversed order does, for this draw)."""
+    from fedaccel.models import build_model
+
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    sizes, batch_size = [9, 1, 20, 8, 5, 7, 13], 2
+
+    def one_row_per_chunk(n: int) -> torch.Tensor:
+        x = torch.zeros(n, 6, dtype=torch.float64)
+        for start in range(0, n, batch_size):
+            row = rng.choice([-1.0, 1.0], size=6) * np.exp2(rng.integers(-26, 27, size=6))
+            x[start + rng.integers(0, min(batch_size, n - start))] = torch.from_numpy(row)
+        return x
+
+    template = build_model("mlp", (6,), 3).double()
+    models = [build_model("mlp", (6,), 3).double() for _ in sizes]
+    xs = [one_row_per_chunk(n) for n in sizes]
+    weights = {name: torch.stack([dict(m.named_parameters())[name].detach() for m in models])
+               for name, _ in template.named_parameters()}
+    layers = [name for name, _ in foof.foof_layers(template)]
+    got = foof.stacked_foof(template.batched_layer_inputs, layers, weights, xs, batch_size=batch_size,
+                            max_bytes=max_bytes, only=layers[:1])
+    sensitive = 0
+    for c, (m, x) in enumerate(zip(models, xs)):
+        want = foof.compute_foof(m, x, batch_size=batch_size)[layers[0]]
+        assert torch.equal(got[layers[0]][c], want), f"client {c}"
+        backwards = torch.cat(list(torch.split(x, batch_size))[::-1])
+        sensitive += not torch.equal(foof.compute_foof(m, backwards, batch_size=batch_size)[layers[0]], want)
+    assert sensitive >= 2  # the check can see the order
 
 
 def fedpm_jobs(cfg, model, datas):

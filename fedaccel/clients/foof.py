@@ -141,7 +141,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
 
     The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
     ``batch_size`` (its last chunk padded with zero rows, which add nothing,
-    up to the largest chunk of the cohort),
+    to the cohort's widest chunk, ``min(batch_size, largest client)``),
     each chunk's ``R^T R`` a product in the model's dtype, a client's chunks
     summed in float64 in order (the same order on any device), then divided
     by its rows. Here every chunk of every client is one row of a batch (its
