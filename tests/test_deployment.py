@@ -7,6 +7,7 @@ and one crashed and restarted. Every process is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -76,20 +77,22 @@ def assert_same_as_fast(metrics: list[dict], fast: list[dict], test_size: int) -
         assert d["loss"] == pytest.approx(f["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("algo", SUITE_ALGOS)
-def test_two_rounds_through_real_supernodes(deployment, algo):
-    proc = deployment.run(two_rounds(algo))
-    check_two_rounds(deployment, algo, proc.returncode, proc.stdout + proc.stderr)
+def selected(request, test: str) -> set[str]:
+    """The ``algo`` parameters ``test`` was selected for in this session."""
+    return {item.callspec.params["algo"] for item in request.session.items
+            if getattr(item, "originalname", "") == test}
 
 
-@pytest.fixture(scope="module")
-def matrix_runs(deployment, request):
-    """The selected engine-matrix runs, all started at once: a deployment round
-    is mostly waiting (each message starts a fresh ClientApp process, the
+def was_selected(request, test: str) -> bool:
+    return any(getattr(item, "originalname", "") == test for item in request.session.items)
+
+
+@contextlib.contextmanager
+def started_together(deployment, configs: dict[str, str]):
+    """A run per ``configs`` value, all started at once: a deployment round is
+    mostly waiting (each message starts a fresh ClientApp process, the
     ServerApp polls every 3 s), so concurrent runs share that wait."""
-    selected = {item.callspec.params["algo"] for item in request.session.items
-                if getattr(item, "originalname", "") == "test_matrix_two_rounds_through_real_supernodes"}
-    procs = {algo: deployment.run_async(two_rounds(algo)) for algo in MATRIX_ALGOS if algo in selected}
+    procs = {key: deployment.run_async(config) for key, config in configs.items()}
     try:
         yield procs
     finally:
@@ -99,6 +102,36 @@ def matrix_runs(deployment, request):
                 proc.communicate()
 
 
+COHORT_NODES = ("algo='scaffold' num-server-rounds=3 run-name='cohort-nodes' logical-clients=6 "
+                "cohort-batching='auto' client-state='context' local-epochs=1 accl-every=0 "
+                "synthetic.max-samples=120 eval-every=1 clients-per-round=4")
+
+
+@pytest.fixture(scope="module")
+def suite_runs(deployment, request):
+    """The suite's runs through the deployment: two rounds of each suite
+    algorithm and the cohort-node run, as far as their tests were selected."""
+    configs = {algo: two_rounds(algo) for algo in SUITE_ALGOS
+               if algo in selected(request, "test_two_rounds_through_real_supernodes")}
+    if was_selected(request, "test_cohort_nodes_through_real_supernodes"):
+        configs["cohort-nodes"] = COHORT_NODES
+    with started_together(deployment, configs) as procs:
+        yield procs
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(deployment, request):
+    wanted = selected(request, "test_matrix_two_rounds_through_real_supernodes")
+    with started_together(deployment, {algo: two_rounds(algo) for algo in MATRIX_ALGOS if algo in wanted}) as procs:
+        yield procs
+
+
+@pytest.mark.parametrize("algo", SUITE_ALGOS)
+def test_two_rounds_through_real_supernodes(deployment, suite_runs, algo):
+    out, _ = suite_runs[algo].communicate(timeout=900)
+    check_two_rounds(deployment, algo, suite_runs[algo].returncode, out)
+
+
 @pytest.mark.engine_matrix
 @pytest.mark.parametrize("algo", MATRIX_ALGOS)
 def test_matrix_two_rounds_through_real_supernodes(deployment, matrix_runs, algo):
@@ -106,17 +139,14 @@ def test_matrix_two_rounds_through_real_supernodes(deployment, matrix_runs, algo
     check_two_rounds(deployment, algo, matrix_runs[algo].returncode, out)
 
 
-def test_cohort_nodes_through_real_supernodes(deployment):
+def test_cohort_nodes_through_real_supernodes(deployment, suite_runs):
     """SCAFFOLD (state on both sides) with 6 logical clients served by the two
     real SuperNodes (node k serves the clients p % 2 == k), 4 clients a round,
     each node training its share of a round as one batch: the envelopes cross
     TLS and SuperNode authentication, and the rows equal the fast runner's 6
     clients on 2 cohort nodes; the server reports 6 clients."""
-    config = ("algo='scaffold' num-server-rounds=3 run-name='cohort-nodes' logical-clients=6 "
-              "cohort-batching='auto' client-state='context' local-epochs=1 accl-every=0 "
-              "synthetic.max-samples=120 eval-every=1 clients-per-round=4")
-    proc = deployment.run(config)
-    out = proc.stdout + proc.stderr
+    proc = suite_runs["cohort-nodes"]
+    out, _ = proc.communicate(timeout=900)
     run_dir = deployment.results / "cohort-nodes"
     assert proc.returncode == 0 and f"results written to {run_dir}" in out, out[-3000:]
     assert "cohort nodes: each node trains its clients of a round as one batched model" in out, out[-3000:]
