@@ -32,7 +32,13 @@ CONTROL_PORT = "39293"
 # simulation too. The suite runs a few; the engine matrix the rest
 # (fedaccel/support.py, docs/support.md).
 VARIANTS = {"default": {}, "stragglers dropped": {"straggler-fraction": 0.34, "straggler-policy": "drop"}}
-CASES = [pytest.param(algo, VARIANTS[variant], id=algo + ("" if variant == "default" else "-stragglers"),
+
+
+def case_id(algo: str, variant: str) -> str:
+    return algo + ("" if variant == "default" else "-stragglers")
+
+
+CASES = [pytest.param(algo, VARIANTS[variant], id=case_id(algo, variant),
                       marks=[pytest.mark.engine_matrix] if tier == MATRIX else [])
          for algo, variant, tier in engine_runs("simulation")]
 NUM_CLIENTS = 6
@@ -72,15 +78,78 @@ def toml_value(value) -> str:
     return f"'{value}'" if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def flwr_run(env: dict, run_config: dict, timeout: float = 300, nodes: int | None = NUM_CLIENTS,
-             federation: str = "local-simulation") -> subprocess.CompletedProcess:
+def flwr_args(run_config: dict, nodes: int | None = NUM_CLIENTS, federation: str = "local-simulation") -> list[str]:
     """``flwr run`` on ``federation``, with ``nodes`` simulated nodes (None: the profile's size and resources)."""
     text = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
     size = ["--federation-config", f"num-supernodes={nodes}"] if nodes is not None else []
-    return subprocess.run(
-        [flwr_bin(), "run", ".", federation, "--run-config", text, *size, "--stream"],
-        cwd=project_dir(), env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    return [flwr_bin(), "run", ".", federation, "--run-config", text, *size, "--stream"]
+
+
+def flwr_run(env: dict, run_config: dict, timeout: float = 300, nodes: int | None = NUM_CLIENTS,
+             federation: str = "local-simulation") -> subprocess.CompletedProcess:
+    return subprocess.run(flwr_args(run_config, nodes, federation), cwd=project_dir(), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def selected_ids(request, test: str) -> set[str]:
+    """The ids of ``test``'s cases selected in this session ("" for a test without parameters)."""
+    return {getattr(getattr(item, "callspec", None), "id", "") for item in request.session.items
+            if getattr(item, "originalname", "") == test}
+
+
+FLOAT64 = {"precision": "float64", "client-state": "context"}
+COHORT_NODES = {"logical-clients": 12, "clients-per-round": 8, "client-state": "context"}
+
+
+@pytest.fixture(scope="module")
+def suite_runs(flwr_env, request, tmp_path_factory):
+    """The suite's ``flwr run``s whose tests were selected: the first alone
+    (it starts the module's SuperLink; two at once would both start one),
+    then the others all at once, since a short simulated run is mostly
+    Flower's and Ray's start-up and polling, which concurrent runs share
+    (3 runs: 46 s together against 77 s one after another, on 2 cores).
+    Maps a key to ``(return code, stdout and stderr, results folder)``; a
+    test whose key is not here (the engine matrix's) runs its own."""
+    root = tmp_path_factory.mktemp("sim-runs")
+    wanted: dict[str, tuple[dict, int]] = {}
+    cases = selected_ids(request, "test_flwr_run_matches_fast_runner")
+    for algo, variant, tier in engine_runs("simulation"):
+        key = case_id(algo, variant)
+        if tier != MATRIX and key in cases:
+            wanted[key] = (overrides(algo, root / key, **VARIANTS[variant]), NUM_CLIENTS)
+    if selected_ids(request, "test_float64_runs_through_flowers_simulation"):
+        wanted["float64"] = (overrides("scaffold", root / "float64", **FLOAT64), NUM_CLIENTS)
+    if selected_ids(request, "test_cohort_nodes_in_flowers_simulation_match_the_fast_runner"):
+        wanted["cohort-nodes"] = (overrides("scaffold", root / "cohort-nodes", **COHORT_NODES,
+                                            **{"cohort-batching": "auto"}), 3)
+    if selected_ids(request, "test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line"):
+        wanted["bad-config"] = ({"algo": "fedprx", "results-dir": str(root / "bad-config")}, NUM_CLIENTS)
+    procs: dict[str, subprocess.Popen] = {}
+    done: dict[str, tuple[int, str, Path]] = {}
+
+    def start(key: str) -> None:
+        config, nodes = wanted[key]
+        procs[key] = subprocess.Popen(flwr_args(config, nodes), cwd=project_dir(), env=flwr_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(key: str, timeout: float) -> None:
+        out = procs[key].communicate(timeout=timeout)[0]
+        done[key] = (procs[key].returncode, out, Path(wanted[key][0]["results-dir"]))
+
+    try:
+        keys = list(wanted)
+        for i, key in enumerate(keys):
+            start(key)
+            if i == 0:
+                finish(key, 600)
+        for key in keys[1:]:
+            finish(key, 900)
+        yield done
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -88,11 +157,15 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("algo,extra", CASES)
-def test_flwr_run_matches_fast_runner(flwr_env, tmp_path, algo, extra):
-    proc = flwr_run(flwr_env, overrides(algo, tmp_path / "sim", **extra))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    sim_dir = tmp_path / "sim" / algo
+def test_flwr_run_matches_fast_runner(flwr_env, suite_runs, request, tmp_path, algo, extra):
+    key = request.node.callspec.id
+    if key in suite_runs:
+        returncode, out, sim_root = suite_runs[key]
+    else:
+        proc = flwr_run(flwr_env, overrides(algo, tmp_path / "sim", **extra))
+        returncode, out, sim_root = proc.returncode, proc.stdout + proc.stderr, tmp_path / "sim"
+    assert returncode == 0, out[-3000:]
+    sim_dir = sim_root / algo
     assert "results written to" in out and str(sim_dir) in out
     # --stream shows every round as it ends: accuracy, loss, MB, seconds
     rounds = re.findall(r"\[fedaccel\] round +(\d+)/4 +accg [\d.]+ +loss [\d.]+ .*up [\d.]+ MB +down [\d.]+ MB +[\d.]+ s", out)
@@ -119,15 +192,14 @@ def assert_same_rows(sim: list[dict], fast: list[dict], test_size: int) -> None:
         assert (s["accl"] is None) == (f["accl"] is None)
 
 
-def test_float64_runs_through_flowers_simulation(flwr_env, tmp_path):
+def test_float64_runs_through_flowers_simulation(suite_runs, tmp_path):
     """``precision='float64'`` under flwr run: SCAFFOLD (state on both sides)
     keeps a float64 model, float64 arrays on the wire (about twice the
     float32 bytes) and the fast runner's rows."""
-    config = overrides("scaffold", tmp_path / "sim", precision="float64", **{"client-state": "context"})
-    proc = flwr_run(flwr_env, config)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "results written to" in out, out[-3000:]
-    sim_dir = tmp_path / "sim" / "scaffold"
+    returncode, out, sim_root = suite_runs["float64"]
+    config = overrides("scaffold", sim_root, **FLOAT64)
+    assert returncode == 0 and "results written to" in out, out[-3000:]
+    sim_dir = sim_root / "scaffold"
     final = np.load(sim_dir / "final_model.npz")
     assert {final[k].dtype for k in final.files} == {np.dtype(np.float64)}
     fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
@@ -142,19 +214,15 @@ def test_float64_runs_through_flowers_simulation(flwr_env, tmp_path):
     assert all(1.9 * f["bytes_up"] < r["bytes_up"] < 2 * f["bytes_up"] for r, f in zip(sim, rows(fast32_dir)))
 
 
-COHORT_NODES = {"logical-clients": 12, "clients-per-round": 8, "client-state": "context"}
-
-
-def test_cohort_nodes_in_flowers_simulation_match_the_fast_runner(flwr_env, tmp_path):
+def test_cohort_nodes_in_flowers_simulation_match_the_fast_runner(suite_runs, tmp_path):
     """SCAFFOLD (state on both sides) with 12 logical clients on 3 simulated
     nodes, each node training its share of a round as one batch: the same
     rows as the fast runner's 12 clients on 3 cohort nodes (docs/cohort-batching.md)."""
-    config = overrides("scaffold", tmp_path / "sim", **COHORT_NODES, **{"cohort-batching": "auto"})
-    proc = flwr_run(flwr_env, config, nodes=3)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "results written to" in out, out[-3000:]
+    returncode, out, sim_root = suite_runs["cohort-nodes"]
+    config = overrides("scaffold", sim_root, **COHORT_NODES, **{"cohort-batching": "auto"})
+    assert returncode == 0 and "results written to" in out, out[-3000:]
     assert "cohort nodes: each node trains its clients of a round as one batched model" in out, out[-3000:]
-    sim_dir = tmp_path / "sim" / "scaffold"
+    sim_dir = sim_root / "scaffold"
     fast_dir = run_local(fuse(default_run_config(), {**config, "results-dir": str(tmp_path / "fast")}),
                          num_clients=3, quiet=True)
     test_size = json.loads((sim_dir / "config.json").read_text())["resolved"]["global-test-size"]
@@ -245,9 +313,8 @@ def run_status(env: dict, run_id: str, timeout: float = 60) -> str:
         time.sleep(1)
 
 
-def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, tmp_path):
-    proc = flwr_run(flwr_env, {"algo": "fedprx", "results-dir": str(tmp_path)}, timeout=180)
-    out = proc.stdout + proc.stderr
+def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, suite_runs):
+    _, out, results_dir = suite_runs["bad-config"]
     wanted = ("Simulation stopped: [fedaccel] invalid run config: algo='fedprx': allowed: fedacg, "
               "fedadam, fedavg")
     log = run_log(flwr_env, out, wanted)
@@ -255,7 +322,7 @@ def test_flwr_run_bad_config_is_a_failed_run_with_one_clear_line(flwr_env, tmp_p
     assert "Traceback" not in log
     run_id = re.search(r"run_id `(\d+)`|started run (\d+)", out)
     assert run_status(flwr_env, run_id.group(1) or run_id.group(2)) == "finished:failed"
-    assert not (tmp_path / "fedprx").exists()
+    assert not (results_dir / "fedprx").exists()
 
 
 @pytest.mark.engine_matrix  # Flower starts 400 simulated SuperNodes: about a minute
