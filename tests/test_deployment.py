@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -92,8 +93,10 @@ def started_together(deployment, configs: dict[str, str]):
     """A run per ``configs`` value, all started at once: a deployment round is
     mostly waiting (each message starts a fresh ClientApp process, the
     ServerApp polls every 3 s), so concurrent runs share that wait."""
-    procs = {key: deployment.run_async(config) for key, config in configs.items()}
+    procs: dict[str, subprocess.Popen] = {}
     try:
+        for key, config in configs.items():
+            procs[key] = deployment.run_async(config)
         yield procs
     finally:
         for proc in procs.values():
@@ -132,13 +135,6 @@ def test_two_rounds_through_real_supernodes(deployment, suite_runs, algo):
     check_two_rounds(deployment, algo, suite_runs[algo].returncode, out)
 
 
-@pytest.mark.engine_matrix
-@pytest.mark.parametrize("algo", MATRIX_ALGOS)
-def test_matrix_two_rounds_through_real_supernodes(deployment, matrix_runs, algo):
-    out, _ = matrix_runs[algo].communicate(timeout=900)
-    check_two_rounds(deployment, algo, matrix_runs[algo].returncode, out)
-
-
 def test_cohort_nodes_through_real_supernodes(deployment, suite_runs):
     """SCAFFOLD (state on both sides) with 6 logical clients served by the two
     real SuperNodes (node k serves the clients p % 2 == k), 4 clients a round,
@@ -161,11 +157,17 @@ def test_cohort_nodes_through_real_supernodes(deployment, suite_runs):
     assert_same_as_fast(metrics, fast, config["resolved"]["global-test-size"])
 
 
+@pytest.mark.engine_matrix
+@pytest.mark.parametrize("algo", MATRIX_ALGOS)
+def test_matrix_two_rounds_through_real_supernodes(deployment, matrix_runs, algo):
+    out, _ = matrix_runs[algo].communicate(timeout=900)
+    check_two_rounds(deployment, algo, matrix_runs[algo].returncode, out)
+
+
 def test_unregistered_key_and_wrong_ca_are_refused(deployment, tmp_path):
     # A key that was never registered.
     deployment.start_supernode(5, 2, key=deployment.key(5))
     # A CA that did not sign the SuperLink's certificate.
-    import subprocess
     other = tmp_path / "other-ca"
     subprocess.run(["bash", "scripts/gen-certs.sh", str(other)], check=True, capture_output=True)
     deployment.register(6)
