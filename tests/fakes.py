@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -139,3 +140,19 @@ def bench_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def selected_ids(request, test: str) -> set[str]:
+    """The ids of ``test``'s cases selected in this pytest session ("" for a
+    test without parameters; empty when it was not selected): what a module
+    fixture that starts runs for several tests at once should start."""
+    return {getattr(getattr(item, "callspec", None), "id", "") for item in request.session.items
+            if getattr(item, "originalname", "") == test}
+
+
+def kill_unfinished(procs: Iterable[subprocess.Popen]) -> None:
+    """Kill and reap every process of ``procs`` still running (a fixture's clean-up)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

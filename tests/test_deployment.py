@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from fakes import kill_unfinished, selected_ids
 from fedaccel.deployment import LocalDeployment
 from fedaccel.local_run import run_local
 from fedaccel.support import MATRIX, SUITE, engine_runs
@@ -78,16 +79,6 @@ def assert_same_as_fast(metrics: list[dict], fast: list[dict], test_size: int) -
         assert d["loss"] == pytest.approx(f["loss"], rel=1e-4)
 
 
-def selected(request, test: str) -> set[str]:
-    """The ``algo`` parameters ``test`` was selected for in this session."""
-    return {item.callspec.params["algo"] for item in request.session.items
-            if getattr(item, "originalname", "") == test}
-
-
-def was_selected(request, test: str) -> bool:
-    return any(getattr(item, "originalname", "") == test for item in request.session.items)
-
-
 @contextlib.contextmanager
 def started_together(deployment, configs: dict[str, str]):
     """A run per ``configs`` value, all started at once: a deployment round is
@@ -99,10 +90,7 @@ def started_together(deployment, configs: dict[str, str]):
             procs[key] = deployment.run_async(config)
         yield procs
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        kill_unfinished(procs.values())
 
 
 COHORT_NODES = ("algo='scaffold' num-server-rounds=3 run-name='cohort-nodes' logical-clients=6 "
@@ -115,8 +103,8 @@ def suite_runs(deployment, request):
     """The suite's runs through the deployment: two rounds of each suite
     algorithm and the cohort-node run, as far as their tests were selected."""
     configs = {algo: two_rounds(algo) for algo in SUITE_ALGOS
-               if algo in selected(request, "test_two_rounds_through_real_supernodes")}
-    if was_selected(request, "test_cohort_nodes_through_real_supernodes"):
+               if algo in selected_ids(request, "test_two_rounds_through_real_supernodes")}
+    if selected_ids(request, "test_cohort_nodes_through_real_supernodes"):
         configs["cohort-nodes"] = COHORT_NODES
     with started_together(deployment, configs) as procs:
         yield procs
@@ -124,7 +112,7 @@ def suite_runs(deployment, request):
 
 @pytest.fixture(scope="module")
 def matrix_runs(deployment, request):
-    wanted = selected(request, "test_matrix_two_rounds_through_real_supernodes")
+    wanted = selected_ids(request, "test_matrix_two_rounds_through_real_supernodes")
     with started_together(deployment, {algo: two_rounds(algo) for algo in MATRIX_ALGOS if algo in wanted}) as procs:
         yield procs
 

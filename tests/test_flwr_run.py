@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fakes import kill_unfinished, selected_ids
 from fedaccel.local_run import default_run_config, fuse, project_dir, run_local
 from fedaccel.superlink import local_superlink_pids, stop_local_superlink
 from fedaccel.support import MATRIX, engine_runs
@@ -91,12 +92,6 @@ def flwr_run(env: dict, run_config: dict, timeout: float = 300, nodes: int | Non
                           capture_output=True, text=True, timeout=timeout)
 
 
-def selected_ids(request, test: str) -> set[str]:
-    """The ids of ``test``'s cases selected in this session ("" for a test without parameters)."""
-    return {getattr(getattr(item, "callspec", None), "id", "") for item in request.session.items
-            if getattr(item, "originalname", "") == test}
-
-
 FLOAT64 = {"precision": "float64", "client-state": "context"}
 COHORT_NODES = {"logical-clients": 12, "clients-per-round": 8, "client-state": "context"}
 
@@ -146,10 +141,7 @@ def suite_runs(flwr_env, request, tmp_path_factory):
             finish(key, 900)
         yield done
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        kill_unfinished(procs.values())
 
 
 def rows(run_dir: Path) -> list[dict]:
