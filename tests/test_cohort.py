@@ -41,6 +41,9 @@ BATCHABLE = [
     ("fedrkmgc", "fedrkmgc", {"momentum": 0.9}),
     ("scaffold", "scaffold", {"momentum": 0.9, "weight-decay": 1e-3}),
     ("scaffold-option-ii", "scaffold", {"momentum": 0.0, "scaffold.cv-update": "option-ii"}),
+    # FedDC: SCAFFOLD's correction plus the drift pull, both state groups read again in round 2
+    ("feddc", "feddc", {"momentum": 0.9, "weight-decay": 1e-3, "feddc.alpha": 0.5}),
+    ("feddc-option-ii", "feddc", {"momentum": 0.0, "feddc.cv-update": "option-ii", "feddc.alpha": 0.5}),
     ("fednova", "fednova", {"momentum": 0.9}),
     ("fedcdr", "fedcdr", {"momentum": 0.9, "weight-decay": 5e-4, "fedcdr.eta": 0.5}),
     ("feddr-local-start", "feddr", {"feddr.prox-start": "local", "feddr.init": "zeros", "feddr.eta": 0.5}),
@@ -59,7 +62,7 @@ STATE_GROUP = {"fedcdr": "dr", "feddr": "dr"}  # the name a solver keeps its sta
 
 def received_for(algo: str, model: torch.nn.Module, seed: int = 5) -> dict:
     """The records a server sends beside the model (SCAFFOLD's ``c``)."""
-    if algo != "scaffold":
+    if algo not in ("scaffold", "feddc"):
         return {}
     gen = torch.Generator().manual_seed(seed)
     return {C_RECORD: control_variate_record({k: 0.1 * torch.randn(p.shape, generator=gen).numpy()

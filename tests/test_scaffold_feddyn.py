@@ -24,8 +24,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedaccel.clients.feddyn import FedDynSolver, dynamic_gradient, grad_prev_update
 from fedaccel.clients.scaffold import (
-    C_RECORD, DC_RECORD, ScaffoldSolver, control_variate_record, corrected_gradient,
-    option_ii_control_variate, received_control_variate,
+    C_RECORD, DC_RECORD, FedDCSolver, ScaffoldSolver, control_variate_record, corrected_gradient, drift_gradient,
+    drift_update, option_ii_control_variate, received_control_variate,
 )
 from fedaccel.clients.state import ContextState
 from fedaccel.config import ConfigError
@@ -34,8 +34,10 @@ from fedaccel.local_run import default_run_config, fuse
 from fedaccel.registry import get_algorithm
 from fedaccel.torch_utils import payload_bytes
 from fedaccel.membership import Federation
+from fedaccel.strategies.feddc import drift_sum_update, server_model as feddc_server_model
 from fedaccel.strategies.feddyn import h_update, server_model
-from fedaccel.strategies.scaffold import control_step, model_step
+from fedaccel.strategies.scaffold import model_step
+from fedaccel.strategies.server_steps import control_step
 
 from fakes import train_config, StubGrid, heterogeneous_least_squares, quadratic_local_steps
 
@@ -231,6 +233,79 @@ def test_scaffold_server_steps_and_bytes_by_hand():
     assert msgs[0].content.array_records[C_RECORD]["w"].numpy().tolist() == [1.5, 0.0]
 
 
+# --------------------------------------------------------------------------- #
+# FedDC (SCAFFOLD's correction plus a local drift variable)
+# --------------------------------------------------------------------------- #
+def feddc_state(c_i, h_i):
+    state = ContextState(RecordDict())
+    state.put("feddc", {"c.weight": torch.tensor([c_i], dtype=F64), "h.weight": torch.tensor([h_i], dtype=F64)})
+    return state
+
+
+def test_feddc_rules_by_hand():
+    np.testing.assert_allclose(drift_gradient(np.array([0.0, 2.0]), np.array([1.0, 1.0]), np.array([1.0, -1.0]), 0.5),
+                               [0.0, 0.0])  # 0.5 ([0,2] - [1,1] + [1,-1])
+    np.testing.assert_allclose(drift_update(np.array([1.0, -1.0]), np.array([0.5, 3.0]), np.array([0.0, 2.0])),
+                               [1.5, 0.0])
+    assert drift_sum_update(1.0, 3.0) == 4.0 and feddc_server_model(2.0, 3.0, 4) == 2.75
+
+
+def test_feddc_steps_through_momentum_and_new_state_by_hand():
+    """alpha 0.5, x = [0, 2], c = [1, 0], c_i = [0, 2], h_i = [1, -1], lr 0.1,
+    momentum 0.5, task gradients [1, 1] then [2, 0]."""
+    solver = FedDCSolver(cfg("feddc", momentum=0.5, alpha=0.5))
+    model, state = linear([0.0, 2.0]), feddc_state([0.0, 2.0], [1.0, -1.0])
+    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+    sgd_steps(solver, model, [[1.0, 1.0], [2.0, 0.0]], 0.1)
+    # step 1: drift 0.5([0,0] + [1,-1]) = [0.5,-0.5]; d = [1.5,0.5] + [1,-2] = [2.5,-1.5]; w = [-0.25, 2.15]
+    # step 2: drift 0.5([-0.25,0.15] + [1,-1]) = [0.375,-0.425]; d = [2.375,-0.425] + [1,-2] = [3.375,-2.425];
+    #         buf = 0.5 [2.5,-1.5] + d = [4.625,-3.175]; w = [-0.7125, 2.4675]
+    np.testing.assert_allclose(model.weight.detach().numpy()[0], [-0.7125, 2.4675], atol=1e-14)
+    extra = solver.end_round(model, state)
+    # c_i+ = mean of g + drift = ([1.5,0.5] + [2.375,-0.425]) / 2 = [1.9375, 0.0375]; dc = c_i+ - [0, 2]
+    np.testing.assert_allclose(extra[DC_RECORD]["weight"].numpy()[0], [1.9375, -1.9625], atol=1e-14)
+    kept = state.get("feddc", torch.device("cpu"))
+    np.testing.assert_allclose(kept["c.weight"].numpy()[0], [1.9375, 0.0375], atol=1e-14)
+    # h_i+ = h_i + (w - x) = [1,-1] + [-0.7125, 0.4675]
+    np.testing.assert_allclose(kept["h.weight"].numpy()[0], [0.2875, -0.5325], atol=1e-14)
+
+
+@pytest.mark.parametrize("rule", ["mean-gradient", "option-ii"])
+def test_feddc_control_variate_rules_agree_without_momentum(rule):
+    """One plain SGD step: option II's c_i - c + (x - y)/(K lr) is the step's
+    gradient without the correction, g + alpha (x - x + h_i) = [1.5, 0.5]."""
+    solver = FedDCSolver(cfg("feddc", alpha=0.5, **{"cv-update": rule}))
+    model, state = linear([0.0, 2.0]), feddc_state([0.0, 2.0], [1.0, -1.0])
+    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+    sgd_steps(solver, model, [[1.0, 1.0]], 0.1)
+    solver.end_round(model, state)
+    np.testing.assert_allclose(state.get("feddc", torch.device("cpu"))["c.weight"].numpy()[0], [1.5, 0.5],
+                               atol=1e-13)
+
+
+def test_feddc_server_by_hand():
+    """N = 4, three replies: c += sum(dc) / N, H += sum(theta_i - x), x = mean + H / N;
+    a second round with no movement adds the mean drift again (the authors' rule)."""
+    nodes = {**NODES, 3: 104}
+    strategy = get_algorithm("feddc").build_strategy(cfg("feddc"), Federation(nodes))
+    strategy.sample_cohort = lambda r: [0, 1, 2]
+    msgs, _, x = one_round(strategy, 1, [1.0, 2.0], [[0.5, 1.0], [2.0, 4.0], [3.5, 1.0]],
+                           extra=[[1.0, 0.0], [2.0, 4.0], [3.0, -4.0]])
+    assert all(m.content.array_records[C_RECORD]["w"].numpy().tolist() == [0.0, 0.0] for m in msgs)
+    np.testing.assert_allclose(strategy.c["w"], [1.5, 0.0], atol=1e-7)
+    np.testing.assert_allclose(strategy.h_sum["w"], [3.0, 0.0], atol=1e-12)  # 3 ([2,2] - [1,2])
+    np.testing.assert_allclose(x, [2.75, 2.0], atol=1e-6)  # [2,2] + [3,0] / 4
+    msgs, _, x = one_round(strategy, 2, x, [[2.75, 2.0]] * 3, extra=[[0.0, 0.0]] * 3)
+    assert msgs[0].content.array_records[C_RECORD]["w"].numpy().tolist() == [1.5, 0.0]
+    np.testing.assert_allclose(x, [3.5, 2.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5])
+def test_feddc_alpha_must_be_positive(alpha):
+    with pytest.raises(ConfigError, match=rf"feddc.alpha={alpha!r}: must be > 0"):
+        cfg("feddc", alpha=alpha)
+
+
 @pytest.mark.parametrize("alpha", [0.0, -0.5])
 def test_feddyn_alpha_must_be_positive(alpha):
     """alpha = 0 would divide h by zero in the server step: refused by name."""
@@ -304,6 +379,8 @@ def federated_rounds(algo, cohorts, n=4, momentum=0.5, wd=0.1, lr=0.05, steps=4,
 @pytest.mark.parametrize("algo, name, key, server_state", [
     ("feddyn", "feddyn", "grad_prev.weight", lambda s: s.h["weight"]),
     ("scaffold", "scaffold", "c.weight", lambda s: s.c["weight"]),
+    ("feddc", "feddc", "c.weight", lambda s: s.c["weight"]),
+    ("feddc", "feddc", "h.weight", lambda s: s.h_sum["weight"] / 4),  # H / N = the mean drift
 ])
 def test_server_state_is_mean_over_all_clients(algo, name, key, server_state):
     """Partial participation (2 of N = 4 per round, client 3 never sampled):
@@ -311,7 +388,7 @@ def test_server_state_is_mean_over_all_clients(algo, name, key, server_state):
     SCAFFOLD's c the mean over all N of their c_i (a never-sampled client
     counts with its zero state), after every round."""
     cohorts = [(0, 1), (1, 2), (0, 2), (2, 1), (0, 1)]
-    params = {"alpha": 0.5} if algo == "feddyn" else {}
+    params = {"alpha": 0.5} if algo in ("feddyn", "feddc") else {}
     for r, strategy, states in federated_rounds(algo, cohorts, **params):
         client = [st.get(name, torch.device("cpu")) for st in states]
         assert client[3] is None  # never sampled: its state is still the initial zero
@@ -378,6 +455,9 @@ def run(lsq, algo, rounds, momentum=0.0, lr=0.05, steps=5, **params):
         mean = np.mean(ys, axis=0)
         if algo == "scaffold":
             x, cv = model_step(x, mean - x, 1.0), control_step(cv, sum(dcs), N)
+        elif algo == "feddc":
+            h = drift_sum_update(h, sum(y - x for y in ys))
+            x, cv = feddc_server_model(mean, h, N), control_step(cv, sum(dcs), N)
         elif algo == "feddyn":
             alpha = conf.algo_params.alpha
             h = h_update(h, sum(y - x for y in ys), alpha, N)
@@ -406,6 +486,13 @@ def test_scaffold_option_ii_with_momentum_diverges(lsq, fedavg_error):
     early = run(lsq, "scaffold", 30, momentum=0.8, **{"cv-update": "option-ii"})
     late = run(lsq, "scaffold", 60, momentum=0.8, **{"cv-update": "option-ii"})
     assert late > 10 * early > 10 * fedavg_error
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_feddc_reaches_global_minimizer(lsq, fedavg_error, momentum):
+    """FedDC (SCAFFOLD's correction plus the drift pull) on the heterogeneous
+    least squares, full participation: the exact global minimizer, where FedAvg stalls."""
+    assert run(lsq, "feddc", 200, momentum=momentum, alpha=0.5) < 1e-10 < 1e-8 * fedavg_error
 
 
 def test_feddyn_reaches_global_minimizer(lsq, fedavg_error):

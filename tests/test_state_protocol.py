@@ -220,7 +220,8 @@ def mean_over_all(states: dict, prefix: str, keys, initial: dict[str, np.ndarray
             for k in keys}
 
 
-STATE_NAME = {"scaffold": "scaffold", "feddyn": "feddyn", "fedrkmgc": "fedrkmgc", "fedcdr": "dr", "feddr": "dr"}
+STATE_NAME = {"scaffold": "scaffold", "feddc": "feddc", "feddyn": "feddyn", "fedrkmgc": "fedrkmgc", "fedcdr": "dr",
+              "feddr": "dr"}
 
 
 def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0: dict) -> float:
@@ -232,6 +233,13 @@ def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0:
     zeros = {k: np.zeros_like(v, dtype=np.float64) for k, v in x0.items()}
     if algo == "scaffold":
         server, clients = strategy.c, mean_over_all(states, "c", strategy.c, zeros)
+    elif algo == "feddc":  # c = mean of every c_i, and H = the sum of every client's drift h_i
+        n = len(states)
+        assert n == strategy.federation.num_clients  # every client's state, trained or not
+        server = {**{f"c.{k}": v for k, v in strategy.c.items()},
+                  **{f"h.{k}": v / n for k, v in (strategy.h_sum or zeros).items()}}
+        clients = {**{f"c.{k}": v for k, v in mean_over_all(states, "c", strategy.c, zeros).items()},
+                   **{f"h.{k}": v for k, v in mean_over_all(states, "h", strategy.c, zeros).items()}}
     elif algo == "feddyn":
         server, clients = strategy.h, mean_over_all(states, "grad_prev", strategy.h, zeros)
     elif algo in ("fedcdr", "feddr"):
@@ -287,7 +295,8 @@ SLOW = pytest.mark.slow  # the same protocol again: kept out of the quick suite
     pytest.param("scaffold", "none", False, marks=SLOW), pytest.param("fedcdr", "local", False, marks=SLOW),
     pytest.param("fedrkmgc", "none", False, marks=SLOW), pytest.param("feddyn", "global", False, marks=SLOW),
     # the batched trainer (docs/cohort-batching.md) runs the same commit protocol per client
-    ("scaffold", "none", True), ("fedcdr", "local", True),
+    ("scaffold", "none", True), ("fedcdr", "local", True), ("feddc", "none", True),
+    pytest.param("feddc", "global", False, marks=SLOW),
     pytest.param("feddyn", "none", False, marks=SLOW), pytest.param("fedcdr", "none", False, marks=SLOW),
     pytest.param("feddr", "none", False, marks=SLOW), pytest.param("scaffold", "global", False, marks=SLOW),
     pytest.param("feddyn", "global", True, marks=SLOW), pytest.param("fedrkmgc", "none", True, marks=SLOW),

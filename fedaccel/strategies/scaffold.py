@@ -20,12 +20,12 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
-from fedaccel.clients.scaffold import C_RECORD, CV_UPDATES, DC_RECORD, ScaffoldSolver, control_variate_record
-from fedaccel.arrays import record_to_numpy, to_numpy
+from fedaccel.clients.scaffold import CV_UPDATES, ScaffoldSolver
+from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
-from fedaccel.strategies.server_steps import numpy_to_record, plain_mean, reply_metrics
+from fedaccel.strategies.server_steps import ControlVariateServer, numpy_to_record, plain_mean, reply_metrics
 
 T = TypeVar("T")
 
@@ -53,12 +53,7 @@ def model_step(x: T, mean_dy: T, server_lr: float) -> T:
     return x + server_lr * mean_dy  # type: ignore[operator]
 
 
-def control_step(c: T, dc_sum: T, num_clients: int) -> T:
-    """``c + (|S|/N) mean(dc) = c + sum(dc) / N``."""
-    return c + dc_sum / num_clients  # type: ignore[operator]
-
-
-class ScaffoldStrategy(FedAccelStrategy, FedAvg):
+class ScaffoldStrategy(ControlVariateServer, FedAccelStrategy, FedAvg):
     """SCAFFOLD's server: model and control-variate steps."""
 
     carried_state = ("c",)  # checkpointed (fedaccel.checkpoint)
@@ -70,30 +65,10 @@ class ScaffoldStrategy(FedAccelStrategy, FedAvg):
         self.server_lr = float(run_cfg.algo_params.server_lr)
         self.c: dict[str, np.ndarray] | None = None
 
-    def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
-        """The server control variate ``c`` (zero at the start), sent to every client."""
-        if self.c is None:
-            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.sent_model()).items()}
-        return {C_RECORD: control_variate_record(self.c)}
-
-    def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-        """``dc`` holds exactly ``c``'s entries and shapes (the model's): one
-        of another shape would be broadcast into ``c``, a missing one counted
-        as zero, and the client would commit a ``c_i`` the server never summed."""
-        return {DC_RECORD: [(k, tuple(v.shape)) for k, v in self.c.items()]} if self.c is not None else {}
-
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The plain mean of the ``y_i``; also the control-variate step (line 17)."""
-        if self.c is None:
-            raise RuntimeError("SCAFFOLD: combine before the control variate c was sent")
+        self.step_control_variate(replies)
         mean_y = plain_mean(replies)
-        dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
-        for reply in replies:
-            for k, a in reply.content[DC_RECORD].items():
-                dc_sum[k] += to_numpy(a)  # a read-only view: the same values as a.numpy()
-        n = self.federation.num_clients
-        self.c = {k: control_step(v.astype(np.float64), dc_sum[k], n).astype(v.dtype)
-                  for k, v in self.c.items()}
         return numpy_to_record(mean_y, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
 
     def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:

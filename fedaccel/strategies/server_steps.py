@@ -16,6 +16,9 @@
   the strategy's ``combine`` produced, so any algorithm can be relaxed:
   ``class S(RelaxedAggregation, FedAccelStrategy, FedAvg)`` with
   ``self.relaxation_rho`` set.
+- :class:`ControlVariateServer`: a mixin with SCAFFOLD's control variate
+  ``c`` (sent beside the model, stepped by the replies' ``delta c_i``),
+  shared by SCAFFOLD and FedDC (whose gradient state is the same variable).
 - :func:`momentum_step`: FedAvgM's server SGD with momentum, in Flower's
   convention and arithmetic (bit-identical to Flower's ``FedAvgM``, tested).
 - :func:`adam_step`: FedAdam's server Adam, either Reddi et al.'s Algorithm 2
@@ -38,7 +41,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.exception import InconsistentMessageReplies
 
 from fedaccel import arrays as arrays_codec
-from fedaccel.arrays import mean_of_records, record_to_numpy, records_of
+from fedaccel.arrays import mean_of_records, record_to_numpy, records_of, to_numpy
+from fedaccel.clients.scaffold import C_RECORD, DC_RECORD, control_variate_record
 
 T = TypeVar("T")
 
@@ -188,6 +192,45 @@ class RelaxedAggregation:
         theta, tilde = record_to_numpy(sent), record_to_numpy(aggregate)
         new = {k: relax(theta[k].astype(np.float64), tilde[k].astype(np.float64), rho) for k in tilde}
         return numpy_to_record(new, like=aggregate)
+
+
+def control_step(c: T, dc_sum: T, num_clients: int) -> T:
+    """``c + (|S|/N) mean(dc) = c + sum(dc) / N`` (SCAFFOLD, Algorithm 1, line 17)."""
+    return c + dc_sum / num_clients  # type: ignore[operator]
+
+
+class ControlVariateServer:
+    """Mixin: the server control variate ``c`` of SCAFFOLD (Karimireddy et
+    al. 2020, Algorithm 1) and FedDC: zero at the start, sent to every client
+    as the ArrayRecord ``scaffold.c``, and stepped by the ``delta c_i`` the
+    replies carry as ``scaffold.dc`` (:meth:`step_control_variate`). The
+    strategy sets ``self.c = None`` in its ``__init__`` and lists ``"c"`` in
+    its ``carried_state``."""
+
+    c: dict[str, np.ndarray] | None
+
+    def broadcast_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """The server control variate ``c`` (zero at the start), sent to every client."""
+        if self.c is None:
+            self.c = {k: np.zeros_like(v) for k, v in record_to_numpy(self.sent_model()).items()}  # type: ignore[attr-defined]
+        return {C_RECORD: control_variate_record(self.c)}
+
+    def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """``dc`` holds exactly ``c``'s entries and shapes (the model's): one
+        of another shape would be broadcast into ``c``, a missing one counted
+        as zero, and the client would commit a ``c_i`` the server never summed."""
+        return {DC_RECORD: [(k, tuple(v.shape)) for k, v in self.c.items()]} if self.c is not None else {}
+
+    def step_control_variate(self, replies: list[Message]) -> None:
+        """``c <- c + sum_{i in S} delta c_i / N`` (float64 sums, ``c`` kept in its dtype)."""
+        if self.c is None:
+            raise RuntimeError(f"{type(self).__name__}: combine before the control variate c was sent")
+        dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
+        for reply in replies:
+            for k, a in reply.content[DC_RECORD].items():
+                dc_sum[k] += to_numpy(a)  # a read-only view: the same values as a.numpy()
+        n = self.federation.num_clients  # type: ignore[attr-defined]
+        self.c = {k: control_step(v.astype(np.float64), dc_sum[k], n).astype(v.dtype) for k, v in self.c.items()}
 
 
 def momentum_step(x: dict[str, np.ndarray], aggregate: dict[str, np.ndarray],
