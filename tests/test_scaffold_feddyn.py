@@ -243,8 +243,8 @@ def feddc_state(c_i, h_i):
 
 
 def test_feddc_rules_by_hand():
-    np.testing.assert_allclose(drift_gradient(np.array([0.0, 2.0]), np.array([1.0, 1.0]), np.array([1.0, -1.0]), 0.5),
-                               [0.0, 0.0])  # 0.5 ([0,2] - [1,1] + [1,-1])
+    np.testing.assert_allclose(drift_gradient(np.array([0.0, 2.0]), np.array([1.0, 1.0]), np.array([2.0, -1.0]), 0.5),
+                               [0.5, 0.0])  # 0.5 ([0,2] - [1,1] + [2,-1])
     np.testing.assert_allclose(drift_update(np.array([1.0, -1.0]), np.array([0.5, 3.0]), np.array([0.0, 2.0])),
                                [1.5, 0.0])
     assert drift_sum_update(1.0, 3.0) == 4.0 and feddc_server_model(2.0, 3.0, 4) == 2.75
@@ -270,17 +270,24 @@ def test_feddc_steps_through_momentum_and_new_state_by_hand():
     np.testing.assert_allclose(kept["h.weight"].numpy()[0], [0.2875, -0.5325], atol=1e-14)
 
 
-@pytest.mark.parametrize("rule", ["mean-gradient", "option-ii"])
-def test_feddc_control_variate_rules_agree_without_momentum(rule):
-    """One plain SGD step: option II's c_i - c + (x - y)/(K lr) is the step's
-    gradient without the correction, g + alpha (x - x + h_i) = [1.5, 0.5]."""
-    solver = FedDCSolver(cfg("feddc", alpha=0.5, **{"cv-update": rule}))
-    model, state = linear([0.0, 2.0]), feddc_state([0.0, 2.0], [1.0, -1.0])
-    solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
-    sgd_steps(solver, model, [[1.0, 1.0]], 0.1)
-    solver.end_round(model, state)
-    np.testing.assert_allclose(state.get("feddc", torch.device("cpu"))["c.weight"].numpy()[0], [1.5, 0.5],
-                               atol=1e-13)
+def test_feddc_control_variate_rules_agree_without_momentum():
+    """Plain SGD (no momentum, clipping or local GC): option II's
+    c_i - c + (x - y)/(K lr) is the mean of the steps' gradients without the
+    correction (task, weight decay, drift), the mean-gradient rule. One step,
+    no weight decay, by hand: g + alpha (x - x + h_i) = [1.5, 0.5]; three
+    steps with weight decay: the two rules agree."""
+    def new_c_i(rule, grads, wd):
+        solver = FedDCSolver(cfg("feddc", wd=wd, alpha=0.5, **{"cv-update": rule}))
+        model, state = linear([0.0, 2.0]), feddc_state([0.0, 2.0], [1.0, -1.0])
+        solver.begin_round(model, c_config(solver, [1.0, 0.0]), state)
+        sgd_steps(solver, model, grads, 0.1)
+        solver.end_round(model, state)
+        return state.get("feddc", torch.device("cpu"))["c.weight"].numpy()[0]
+
+    for rule in ("mean-gradient", "option-ii"):
+        np.testing.assert_allclose(new_c_i(rule, [[1.0, 1.0]], 0.0), [1.5, 0.5], atol=1e-13, err_msg=rule)
+    grads = [[1.0, 1.0], [2.0, -0.5], [-1.0, 3.0]]
+    np.testing.assert_allclose(new_c_i("option-ii", grads, 0.1), new_c_i("mean-gradient", grads, 0.1), atol=1e-12)
 
 
 def test_feddc_server_by_hand():

@@ -309,15 +309,18 @@ class FedDCSolver(ScaffoldSolver):
     picks the ``c_i`` rule as SCAFFOLD's ``cv-update`` does:
     ``mean-gradient`` (default) is the mean over the round's ``K`` steps of
     every gradient except the correction (task gradient, weight decay and the
-    drift term), equal to option II without momentum and the right estimate
-    with it (this module's docstring); ``option-ii`` is the formula.
+    drift term), taken before ``clip-norm`` and local GC act: equal to
+    option II without momentum, clipping or local GC, and the right
+    estimate with momentum (this module's docstring); ``option-ii`` is the
+    code's formula (use it to follow the code with clipping).
 
     Differences from the authors' code, all stated: ``K`` is each client's own
     number of local steps (the code uses one ``n_minibatch`` for every client);
     clients are weighted equally (the code divides ``alpha`` and ``c`` by each
     client's share of the data, ``n_i / mean n``); no gradient clipping unless
-    the run's ``clip-norm`` asks (the code clips to 10). Server:
-    :mod:`fedaccel.strategies.feddc`.
+    the run's ``clip-norm`` asks (the code clips to 10); option II divides by
+    the round's lr (the code by the undecayed lr while it trains with a
+    per-round decayed one). Server: :mod:`fedaccel.strategies.feddc`.
 
     In a batched cohort the steps are batched; the state stays per client
     (FedDC extends SCAFFOLD's solver, so it keeps tensors of each client's own:
@@ -332,6 +335,12 @@ class FedDCSolver(ScaffoldSolver):
         """SCAFFOLD's round (lr, ``x``, the server's ``c``) and ``alpha``."""
         super().begin_solver(train, anchor)
         self.alpha = float(self.params.alpha)
+
+    def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
+        """None: each member's own :meth:`step_tensors` (SCAFFOLD's stacks hold
+        no ``anchor`` or ``h_i``; a subclass keeps tensors of each client's
+        own anyway, :mod:`fedaccel.clients.stacked_solver`)."""
+        return None
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = super().step_tensors()

@@ -41,9 +41,9 @@ class FedDCParams:
 
     Default alpha 0.1: the middle of the grid the FedCDR paper tunes FedDC's
     alpha over on its synthetic and MNIST data ({0.03, 0.1, 0.3}, its
-    appendix G.2.4); the FedDC code's examples use 0.1 for CIFAR-10 and
-    0.01 for its synthetic data. ``cv-update``: as SCAFFOLD's
-    (:mod:`fedaccel.clients.feddc`).
+    appendix G.2.4); the FedDC code's examples use 0.1 for MNIST, 0.01 for
+    CIFAR-10 and CIFAR-100 and 0.005 for its synthetic data. ``cv-update``:
+    as SCAFFOLD's (:class:`fedaccel.clients.scaffold.FedDCSolver`).
     """
 
     alpha: float = 0.1
@@ -80,10 +80,11 @@ class FedDCStrategy(ControlVariateServer, FedAccelStrategy, FedAvg):
         self.h_sum: dict[str, np.ndarray] | None = None
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The control-variate step, then ``H`` and the new model (float64)."""
-        self.step_control_variate(replies)
+        """The control-variate step, then ``H`` and the new model (float64);
+        the state changes last, once everything that can raise has run."""
         x = {k: v.astype(np.float64) for k, v in record_to_numpy(self.sent_model()).items()}
         mean = plain_mean(replies)
+        self.step_control_variate(replies)
         if self.h_sum is None:
             self.h_sum = {k: np.zeros_like(v) for k, v in x.items()}
         new = {}

@@ -67,8 +67,8 @@ class ScaffoldStrategy(ControlVariateServer, FedAccelStrategy, FedAvg):
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The plain mean of the ``y_i``; also the control-variate step (line 17)."""
-        self.step_control_variate(replies)
         mean_y = plain_mean(replies)
+        self.step_control_variate(replies)  # the state changes last
         return numpy_to_record(mean_y, like=self.global_arrays), reply_metrics(replies, self.weighted_by_key)
 
     def server_step(self, server_round: int, aggregate: ArrayRecord) -> ArrayRecord:
