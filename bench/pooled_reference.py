@@ -8,7 +8,7 @@ above it on data generated "the same way", the data differ.
 
     python bench/pooled_reference.py --config configs/fedcdr-table1.yaml --num-clients 500 \\
         --set synthetic.shared-model=true --variants 0,0 1,1 5,5 --seeds 0 1 2 3 4 \\
-        --lrs 0.01 0.02 0.05 0.1 --epochs 100 --out bench/results/fedcdr/pooled_reference.jsonl
+        --lrs 0.001 0.002 0.01 0.05 --epochs 100 --out bench/results/fedcdr/pooled_reference.jsonl
 
 For each Synthetic-(alpha, beta) variant, seed and lr: the test accuracy
 after every ``--eval-every`` epochs; one JSON line per run (the settings,
