@@ -22,7 +22,6 @@ from typing import TypeVar
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
-
 from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.algorithm import AlgorithmSpec
