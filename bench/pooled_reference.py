@@ -36,10 +36,13 @@ from fedaccel.run_config import parse_run_config  # noqa: E402
 from fedaccel.runtime import build_model_for, data_config_for, load_data  # noqa: E402
 
 
-def run_config(config: str | None, overrides: dict) -> object:
+def base_run_config(config: str | None) -> dict:
+    """The project's defaults under the run's YAML config (as ``fedaccel-run --config``)."""
     base = default_run_config()
-    if config:
-        base = fuse(base, load_yaml_config(config))
+    return fuse(base, load_yaml_config(config)) if config else base
+
+
+def run_config(base: dict, overrides: dict) -> object:
     return parse_run_config(fuse(base, overrides))
 
 
@@ -94,6 +97,7 @@ def _run_all(args: argparse.Namespace) -> int:
 
     overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     variants = [tuple(float(v) for v in pair.split(",")) for pair in args.variants] or [None]
+    base = base_run_config(args.config)  # read once for every run
     results = []
     for variant in variants:
         for lr in args.lrs:
@@ -101,7 +105,7 @@ def _run_all(args: argparse.Namespace) -> int:
                 extra = {"seed": seed, "lr": lr}
                 if variant is not None:
                     extra.update({"synthetic.alpha": variant[0], "synthetic.beta": variant[1]})
-                cfg = run_config(args.config, {**overrides, **extra})
+                cfg = run_config(base, {**overrides, **extra})
                 start = time.perf_counter()
                 record = {"variant": variant, "seed": seed, "lr": lr, "epochs": args.epochs,
                           "batch_size": cfg.batch_size, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,

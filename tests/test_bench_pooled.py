@@ -26,7 +26,7 @@ def test_pooled_run_uses_every_clients_training_rows_and_the_run_test_set(tmp_pa
     assert pooled.main(args) == 0
     assert torch.get_num_threads() == threads  # one thread while it trains, not after
     first, second = [json.loads(line) for line in out.read_text().splitlines()]
-    cfg = pooled.run_config(None, {"synthetic.max-samples": 60, "seed": 3, "lr": 0.05,
+    cfg = pooled.run_config(pooled.base_run_config(None), {"synthetic.max-samples": 60, "seed": 3, "lr": 0.05,
                                    "synthetic.alpha": 1.0, "synthetic.beta": 1.0})
     data = load_data(data_config_for(cfg, 20))
     assert first["train_rows"] == sum(len(data.client(c).y_train) for c in range(20))

@@ -44,6 +44,7 @@ from fedaccel.clients.base import AnchoredSolver
 from fedaccel.clients.stacked_solver import StackedStateSolver
 from fedaccel.clients.stacked_state import member_rows, select_rows
 from fedaccel.clients.state import ClientState, Layout, flat_groups, tensor_layout
+from fedaccel.config import require
 from fedaccel.contract import ContractError, MessageContract, TrainConfig
 
 T = TypeVar("T")
@@ -51,6 +52,11 @@ T = TypeVar("T")
 CV_UPDATES = ("mean-gradient", "option-ii")
 C_RECORD = "scaffold.c"
 DC_RECORD = "scaffold.dc"
+
+
+def validate_cv_update(value: str, prefix: str) -> None:
+    """``<prefix>.cv-update`` is one of :data:`CV_UPDATES` (SCAFFOLD's and FedDC's key)."""
+    require(value in CV_UPDATES, f"{prefix}.cv-update", value, f"allowed: {', '.join(CV_UPDATES)}")
 
 
 def corrected_gradient(g: T, c: T, c_i: T) -> T:
@@ -198,13 +204,18 @@ class ScaffoldSolver(StackedStateSolver):
                 for k, p in model.named_parameters())
         return OrderedDict((k, s / steps) for k, s in self.grad_sum.items())
 
+    def saved_after_round(self, model: torch.nn.Module, new_c: OrderedDict) -> dict[str, OrderedDict]:
+        """The groups :meth:`end_round` stores, client by client: the new ``c_i``
+        (a subclass adds its own; then the batched end leaves it to this)."""
+        return {"c": new_c}
+
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
         formed = self.store_formed(state)  # the cohort trainer's (cohort_after_steps): c_i+ as one flat row
         if formed is None:
             self._own_tensors()
             new = self.new_control_variate(model)
             dc = numpy_to_record(OrderedDict((k, (new[k] - self.c_i[k]).cpu().numpy()) for k in new))
-            state.put(self.state_name, flat_groups({"c": new}))
+            state.put(self.state_name, flat_groups(self.saved_after_round(model, new)))
         else:
             (dc,) = formed
         self.correction, self.grad_sum = [], OrderedDict()
@@ -223,7 +234,8 @@ class ScaffoldSolver(StackedStateSolver):
         the bits of one client's division by the number; on a CUDA GPU,
         which divides by a number as a product with its reciprocal, within
         one float32 rounding of it."""
-        if type(self).end_round is not ScaffoldSolver.end_round or any(
+        if (type(self).end_round is not ScaffoldSolver.end_round
+                or type(self).saved_after_round is not ScaffoldSolver.saved_after_round) or any(
                 type(m.solver).new_control_variate is not ScaffoldSolver.new_control_variate
                 or m.solver.params.cv_update != self.params.cv_update or m.solver.lr != self.lr for m in members):
             return
@@ -353,13 +365,8 @@ class FedDCSolver(ScaffoldSolver):
         g = g.add_(drift_gradient(w, tensors["anchor"], tensors["h_i"], self.alpha))
         return super().gradient_rule(w, g, tensors)
 
-    def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
-        """The new ``c_i`` and ``h_i`` stored together; ``dc = c_i+ - c_i`` sent."""
-        self._own_tensors()
-        new_c = self.new_control_variate(model)
-        new_h = OrderedDict((k, drift_update(self.h_i[k], p.detach(), self.x[k])) for k, p in model.named_parameters())
-        dc = numpy_to_record(OrderedDict((k, (new_c[k] - self.c_i[k]).cpu().numpy()) for k in new_c))
-        state.put(self.state_name, flat_groups({"c": new_c, "h": new_h}))
-        self.correction, self.grad_sum = [], OrderedDict()
-        self._rows_of = self._grad_sum_at = None
-        return {DC_RECORD: dc}
+    def saved_after_round(self, model: torch.nn.Module, new_c: OrderedDict) -> dict[str, OrderedDict]:
+        """The new ``c_i`` and ``h_i`` (:func:`drift_update`), stored together
+        by SCAFFOLD's ``end_round``, which sends ``dc = c_i+ - c_i``."""
+        return {"c": new_c, "h": OrderedDict((k, drift_update(self.h_i[k], p.detach(), self.x[k]))
+                                             for k, p in model.named_parameters())}

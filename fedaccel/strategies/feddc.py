@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.arrays import record_to_numpy
-from fedaccel.clients.scaffold import CV_UPDATES, FedDCSolver
+from fedaccel.clients.scaffold import FedDCSolver, validate_cv_update
 from fedaccel.config import RunConfig, require
 from fedaccel.strategies.base import FedAccelStrategy, Federation
 from fedaccel.strategies.server_steps import ControlVariateServer, numpy_to_record, plain_mean, reply_metrics
@@ -50,8 +50,7 @@ class FedDCParams:
 
     def validate(self, prefix: str) -> None:
         require(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0")
-        require(self.cv_update in CV_UPDATES, f"{prefix}.cv-update", self.cv_update,
-                f"allowed: {', '.join(CV_UPDATES)}")
+        validate_cv_update(self.cv_update, prefix)
 
 
 def drift_sum_update(h_sum: T, delta_sum: T) -> T:

@@ -20,7 +20,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
-from fedaccel.clients.scaffold import CV_UPDATES, ScaffoldSolver
+from fedaccel.clients.scaffold import ScaffoldSolver, validate_cv_update
 from fedaccel.arrays import record_to_numpy
 from fedaccel.config import RunConfig, require
 from fedaccel.algorithm import AlgorithmSpec
@@ -44,8 +44,7 @@ class ScaffoldParams:
 
     def validate(self, prefix: str) -> None:
         require(self.server_lr > 0, f"{prefix}.server-lr", self.server_lr, "must be > 0")
-        require(self.cv_update in CV_UPDATES, f"{prefix}.cv-update", self.cv_update,
-                f"allowed: {', '.join(CV_UPDATES)}")
+        validate_cv_update(self.cv_update, prefix)
 
 
 def model_step(x: T, mean_dy: T, server_lr: float) -> T:
