@@ -1158,28 +1158,32 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
                                        torch.from_numpy(want.extra["scaffold.dc"][k].numpy()), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("algo, changes", [("scaffold", {}), ("feddc", {"feddc.alpha": 0.3})])
 @pytest.mark.parametrize("cv_update", ["mean-gradient", "option-ii"])
 @pytest.mark.parametrize("max_clients", [None, 3])
-def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_as_alone(cv_update, max_clients,
+def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_as_alone(algo, changes, cv_update,
+                                                                                       max_clients,
                                                                                        monkeypatch) -> None:
     """Clients begun together in one chunk (their ``c_i`` rows of one
-    stack) but trained as two groups (another learning rate each): every
-    group's ``c_i``, ``c - c_i`` and ``grad_sum`` are its members' rows,
-    so each client replies what it replies alone, round after round. In
-    chunks of 3 a group's chunk mixes clients begun in different chunks
+    stack; FedDC's ``h_i`` too) but trained as two groups (another learning
+    rate each): every group's ``c_i``, ``c - c_i``, ``grad_sum`` (and
+    ``h_i``, with the anchor) are its members' rows, so each client replies
+    what it replies alone, round after round, and stores the same records.
+    In chunks of 3 a group's chunk mixes clients begun in different chunks
     (rows of different stacks): each client's own rows. The stacks are
     used, and not kept past the round."""
-    from fedaccel.clients.scaffold import C_RECORD, ScaffoldSolver
+    from fedaccel.clients.scaffold import C_RECORD
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
+    solver_class = get_algorithm(algo).solver
     handed = []
-    real = ScaffoldSolver.cohort_step_tensors
-    monkeypatch.setattr(ScaffoldSolver, "cohort_step_tensors",
+    real = solver_class.cohort_step_tensors
+    monkeypatch.setattr(solver_class, "cohort_step_tensors",
                         lambda self, members: handed.append(real(self, members)) or handed[-1])
 
-    cfg = run_cfg("scaffold", **{"batch-size": 16, "momentum": 0.0, "scaffold.cv-update": cv_update})
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.0, f"{algo}.cv-update": cv_update, **changes})
     model, datas = make_model(), clients()
-    sent = {C_RECORD: received_for("scaffold", model)[C_RECORD]}
+    sent = {C_RECORD: received_for(algo, model)[C_RECORD]}
     lrs = [0.1 if c % 2 == 0 else 0.05 for c in range(len(datas))]
     store = StackedClientStates(len(datas))
     stacked, own = [StackedRowState(store, c) for c in range(len(datas))], [ContextState(RecordDict()) for _ in datas]
@@ -1198,6 +1202,11 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
                 for k in record.keys():
                     torch.testing.assert_close(torch.from_numpy(other[k].numpy()), torch.from_numpy(record[k].numpy()),
                                                atol=ATOL, rtol=RTOL)
+        for c in range(len(datas)):  # the saved state: the same groups, the same values
+            kept, alone_kept = stacked[c].get(algo, torch.device("cpu")), own[c].get(algo, torch.device("cpu"))
+            assert list(kept) == list(alone_kept) and {k.split(".")[0] for k in kept} == set(solver_class.saved_groups)
+            for k in kept:
+                torch.testing.assert_close(kept[k], alone_kept[k], atol=ATOL, rtol=RTOL)
     assert any(h is not None for h in handed)  # the stacks were handed to the trainer
     assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
 

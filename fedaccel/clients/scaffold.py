@@ -103,17 +103,19 @@ def stored_layout(params: Mapping[str, torch.Tensor]) -> Layout:
     return tensor_layout(flat_groups({"c": params}))
 
 
-class ScaffoldSolver(StackedStateSolver):
-    """Local SGD on ``g + c - c_i``; ``scaffold.cv-update`` picks the c_i rule.
-    The saved ``c_i``, ``c - c_i`` and the running ``grad_sum`` are rows of
+class ControlVariateSolver(StackedStateSolver):
+    """Local SGD on ``g + c - c_i``; ``<algo>.cv-update`` picks the c_i rule:
+    SCAFFOLD's solver (:class:`ScaffoldSolver`) and the part of FedDC's
+    (:class:`FedDCSolver`) that is SCAFFOLD's. It declares no saved state:
+    each algorithm's class declares its own (``state_name``, its groups),
+    so each is the class whose hooks keep rows of the cohort's stacks
+    (:func:`fedaccel.clients.stacked_solver.keeps_rows_of_stacks`). The
+    saved ``c_i``, ``c - c_i`` and the running ``grad_sum`` are rows of
     the cohort's stacks in a cohort begun together on the fast runner's
     stacked store (:class:`StackedStateSolver`)."""
 
-    state_copies = 1
     messages = MessageContract(to_client=(C_RECORD,), to_server=(DC_RECORD,))
     accumulators = ("grad_sum",)  # mean-gradient's running sum, per step
-    state_name = "scaffold"
-    saved_groups, state_attributes = ("c",), ("c_i",)
 
     def begin_solver(self, train: TrainConfig, anchor: OrderedDict) -> None:
         """The round's ``lr``, the anchor ``x`` (the received parameters) and
@@ -234,9 +236,8 @@ class ScaffoldSolver(StackedStateSolver):
         the bits of one client's division by the number; on a CUDA GPU,
         which divides by a number as a product with its reciprocal, within
         one float32 rounding of it."""
-        if (type(self).end_round is not ScaffoldSolver.end_round
-                or type(self).saved_after_round is not ScaffoldSolver.saved_after_round) or any(
-                type(m.solver).new_control_variate is not ScaffoldSolver.new_control_variate
+        if type(self).end_round is not ControlVariateSolver.end_round or any(
+                type(m.solver).new_control_variate is not ControlVariateSolver.new_control_variate
                 or m.solver.params.cv_update != self.params.cv_update or m.solver.lr != self.lr for m in members):
             return
         solvers = [m.solver for m in members]
@@ -260,9 +261,25 @@ class ScaffoldSolver(StackedStateSolver):
                 new = grad_sums[i] / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
+        saved = self.cohort_saved_after_round(members, list(news.values()), weights, index)
+        if saved is None:
+            return
         replies = [arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()) for c in range(len(solvers))]
+        blocks, layout = saved
+        self.hand_formed_rows(solvers, blocks, layout, replies)
+
+    def cohort_saved_after_round(self, members: list, new_c: list[torch.Tensor], weights: list[torch.Tensor],
+                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout] | None:
+        """:meth:`saved_after_round` for every member at once: the ``[C, ...]``
+        blocks of what ``end_round`` stores, in the order of their layout
+        (``new_c``: the members' new ``c_i``, one block per parameter;
+        ``weights`` and ``index``: the trained weights and the members' rows).
+        None when the class's ``saved_after_round`` is not the one this forms
+        (a subclass's own: then each member's ``end_round``)."""
+        if type(self).saved_after_round is not ControlVariateSolver.saved_after_round:
+            return None
         # c_i+ as what put stores, row by row (stored_layout: the parameters' names, shapes and dtype)
-        self.hand_formed_rows(solvers, list(news.values()), stored_layout(self.x), replies)
+        return new_c, stored_layout(self.x)
 
     def _cohort_rows(self, members: list, index: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The members' ``c_i`` and ``grad_sum``, one ``[C, ...]`` stack per
@@ -280,6 +297,15 @@ class ScaffoldSolver(StackedStateSolver):
         return c_i, [torch.stack([s.grad_sum[name] for s in solvers]) for name in names]
 
 
+class ScaffoldSolver(ControlVariateSolver):
+    """SCAFFOLD's local solver (this module's docstring): ``c_i`` saved under
+    ``scaffold``; ``scaffold.cv-update`` picks its rule."""
+
+    state_copies = 1
+    state_name = "scaffold"
+    saved_groups, state_attributes = ("c",), ("c_i",)
+
+
 # ------------------------------------------------------------------- FedDC
 def drift_gradient(theta: T, x: T, h_i: T, alpha: float) -> T:
     """Gradient of ``alpha/2 ||theta - (x - h_i)||^2``: ``alpha (theta - x + h_i)``."""
@@ -291,7 +317,7 @@ def drift_update(h_i: T, theta: T, x: T) -> T:
     return h_i + (theta - x)  # type: ignore[operator]
 
 
-class FedDCSolver(ScaffoldSolver):
+class FedDCSolver(ControlVariateSolver):
     """FedDC's local solver: SCAFFOLD's gradient correction plus a local drift variable.
 
     Paper: "FedDC: Federated Learning with Non-IID Data via Local Drift
@@ -334,9 +360,9 @@ class FedDCSolver(ScaffoldSolver):
     the round's lr (the code by the undecayed lr while it trains with a
     per-round decayed one). Server: :mod:`fedaccel.strategies.feddc`.
 
-    In a batched cohort the steps are batched; the state stays per client
-    (FedDC extends SCAFFOLD's solver, so it keeps tensors of each client's own:
-    :mod:`fedaccel.clients.stacked_solver`).
+    In a batched cohort the steps and the end of the round are batched, and
+    on the fast runner's stacked store ``c_i`` and ``h_i`` are rows of the
+    cohort's stacks, as SCAFFOLD's ``c_i`` (:mod:`fedaccel.clients.stacked_solver`).
     """
 
     state_copies = 2
@@ -349,10 +375,18 @@ class FedDCSolver(ScaffoldSolver):
         self.alpha = float(self.params.alpha)
 
     def cohort_step_tensors(self, members: list) -> dict[str, list[torch.Tensor]] | None:
-        """None: each member's own :meth:`step_tensors` (SCAFFOLD's stacks hold
-        no ``anchor`` or ``h_i``; a subclass keeps tensors of each client's
-        own anyway, :mod:`fedaccel.clients.stacked_solver`)."""
-        return None
+        """SCAFFOLD's stacks (``c - c_i``, ``grad_sum``), the members' ``h_i``
+        as rows of the cohort's stacks and the anchor ``x``: one received
+        model (the usual round) expanded over the members, not copied, else
+        each member's stacked (None: each member's own tensors)."""
+        tensors = super().cohort_step_tensors(members)
+        if tensors is None:
+            return None
+        h_i = member_rows(members, ("h_i",))["h_i"]
+        solvers = [m.solver for m in members]
+        anchor = [self.shared_or_stacked([s.x[name] for s in solvers]) for name in self.x]
+        anchor = [a.expand(len(solvers), *a.shape) if a.dim() == h.dim() - 1 else a for a, h in zip(anchor, h_i)]
+        return {**tensors, "anchor": anchor, "h_i": h_i}
 
     def step_tensors(self) -> dict[str, list[torch.Tensor]]:
         tensors = super().step_tensors()
@@ -370,3 +404,17 @@ class FedDCSolver(ScaffoldSolver):
         by SCAFFOLD's ``end_round``, which sends ``dc = c_i+ - c_i``."""
         return {"c": new_c, "h": OrderedDict((k, drift_update(self.h_i[k], p.detach(), self.x[k]))
                                              for k, p in model.named_parameters())}
+
+    def cohort_saved_after_round(self, members: list, new_c: list[torch.Tensor], weights: list[torch.Tensor],
+                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout] | None:
+        """:meth:`saved_after_round` for every member at once: the new ``c_i``
+        and ``h_i + (theta_i - x)`` (:func:`drift_update`, elementwise: the
+        values one client at a time gives), in the layout ``end_round``
+        stores (``c.<name>`` then ``h.<name>``)."""
+        if type(self).saved_after_round is not FedDCSolver.saved_after_round:
+            return None
+        solvers = [m.solver for m in members]
+        h_i = self.members_saved(members, ("h_i",))["h_i"]
+        new_h = [drift_update(h, w.detach().index_select(0, index), self.shared_or_stacked([s.x[name] for s in solvers]))
+                 for name, w, h in zip(self.x, weights, h_i)]
+        return new_c + new_h, tensor_layout(flat_groups({"c": self.x, "h": self.x}))

@@ -1,7 +1,7 @@
 """A local solver whose saved state is a few model-shaped groups, kept as
 rows of the cohort's stacks when a cohort begins together on the fast
 runner's stacked store (FedDyn's ``grad_prev``; FedRKMGC's ``delta`` and
-``raw_prev``; SCAFFOLD's ``c_i``).
+``raw_prev``; SCAFFOLD's ``c_i``; FedDC's ``c_i`` and ``h_i``).
 
 Client by client, :meth:`StackedStateSolver.begin_at_anchor` reads the
 groups as tensors of the client's own (zeros before its first round).
