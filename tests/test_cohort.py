@@ -1169,9 +1169,12 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
     rate each): every group's ``c_i``, ``c - c_i``, ``grad_sum`` (and
     ``h_i``, with the anchor) are its members' rows, so each client replies
     what it replies alone, round after round, and stores the same records.
-    In chunks of 3 a group's chunk mixes clients begun in different chunks
-    (rows of different stacks): each client's own rows. The stacks are
-    used, and not kept past the round."""
+    Clients 1 and 3 received another model than the others (one record
+    each, shared as the fast runner shares it): the anchor of the group
+    they are in is stacked, the other group's is the one received model
+    expanded over its members. In chunks of 3 a group's chunk mixes
+    clients begun in different chunks (rows of different stacks): each
+    client's own rows. The stacks are used, and not kept past the round."""
     from fedaccel.clients.scaffold import C_RECORD
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
@@ -1183,16 +1186,22 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
 
     cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.0, f"{algo}.cv-update": cv_update, **changes})
     model, datas = make_model(), clients()
+    moved = copy.deepcopy(model)  # what clients 1 and 3 received
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.01)
+    models = [moved if c in (1, 3) else model for c in range(len(datas))]
     sent = {C_RECORD: received_for(algo, model)[C_RECORD]}
     lrs = [0.1 if c % 2 == 0 else 0.05 for c in range(len(datas))]
     store = StackedClientStates(len(datas))
     stacked, own = [StackedRowState(store, c) for c in range(len(datas))], [ContextState(RecordDict()) for _ in datas]
     for server_round in (1, 2, 3):
-        alone = [new_solver(cfg, model).fit(copy.deepcopy(model), d, config_for("scaffold", server_round, lrs[c]),
+        alone = [new_solver(cfg, model).fit(copy.deepcopy(models[c]), d, config_for(algo, server_round, lrs[c]),
                                             own[c], seeded_generator(cfg.seed, server_round, c, "train"), sent)
                  for c, d in enumerate(datas)]
-        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=state_to_arrays(model),
-                          config=config_for("scaffold", server_round, lrs[c]), state=stacked[c],
+        records = {id(model): state_to_arrays(model), id(moved): state_to_arrays(moved)}  # one record for many
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=d, arrays=records[id(models[c])],
+                          config=config_for(algo, server_round, lrs[c]), state=stacked[c],
                           generator=seeded_generator(cfg.seed, server_round, c, "train"), received=sent)
                 for c, d in enumerate(datas)]
         results = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size, max_clients=max_clients)
@@ -1209,6 +1218,9 @@ def test_scaffold_clients_of_one_stacked_chunk_with_other_learning_rates_train_a
                 torch.testing.assert_close(kept[k], alone_kept[k], atol=ATOL, rtol=RTOL)
     assert any(h is not None for h in handed)  # the stacks were handed to the trainer
     assert (None in handed) == (max_clients == 3)  # a mixed chunk: its clients' own tensors
+    if algo == "feddc" and max_clients is None:  # the one received model expanded (stride 0), two stacked
+        anchors = [h["anchor"][0] for h in handed if h is not None]
+        assert any(a.stride(0) == 0 for a in anchors) and any(a.stride(0) != 0 for a in anchors)
 
 
 @pytest.mark.parametrize("algo, changes", [("feddyn", {"feddyn.alpha": 0.3}), ("fedrkmgc", {"fedrkmgc.variant": "full"})])
@@ -1472,6 +1484,39 @@ def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_pa
                 torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
                                            torch.from_numpy(want.extra["scaffold.dc"][k].numpy()),
                                            atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("store", ["context", "stacked"])
+def test_a_feddc_subclass_with_its_own_saved_state_ends_client_by_client(store) -> None:
+    """A FedDC subclass whose ``saved_after_round`` stores another drift
+    (twice FedDC's step): the batched end forms no state for it (FedDC's
+    batched twin would store FedDC's drift), so its clients end one at a
+    time and store and reply what they do alone, round after round."""
+    from collections import OrderedDict
+
+    from fedaccel.clients.scaffold import FedDCSolver
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
+    class DoubleDrift(FedDCSolver):
+        def saved_after_round(self, model, new_c):
+            saved = super().saved_after_round(model, new_c)
+            return {"c": saved["c"], "h": OrderedDict((k, 2 * v - self.h_i[k]) for k, v in saved["h"].items())}
+
+    cfg = run_cfg("feddc", **{"batch-size": 16, "feddc.alpha": 0.3})
+    model, datas = make_model(), clients()
+    rows = StackedClientStates(len(datas))
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
+    # rounds 2 and 3 train from the stored drift: a drift stored the wrong way changes their replies
+    for alone, batched, _ in alone_and_batched(DoubleDrift, cfg, model, datas, states, received_for("feddc", model),
+                                               rounds=(1, 2, 3)):
+        for want, got in zip(alone, batched):
+            for k in want.extra["scaffold.dc"].keys():
+                torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
+                                           torch.from_numpy(want.extra["scaffold.dc"][k].numpy()),
+                                           atol=ATOL, rtol=RTOL)
+            for k in want.arrays.keys():
+                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
+                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])

@@ -208,7 +208,8 @@ class ControlVariateSolver(StackedStateSolver):
 
     def saved_after_round(self, model: torch.nn.Module, new_c: OrderedDict) -> dict[str, OrderedDict]:
         """The groups :meth:`end_round` stores, client by client: the new ``c_i``
-        (a subclass adds its own; then the batched end leaves it to this)."""
+        (FedDC adds its drift; a class whose ``saved_after_round`` has no
+        batched twin, :meth:`cohort_saved_after_round`, ends client by client)."""
         return {"c": new_c}
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict[str, ArrayRecord]:
@@ -236,7 +237,7 @@ class ControlVariateSolver(StackedStateSolver):
         the bits of one client's division by the number; on a CUDA GPU,
         which divides by a number as a product with its reciprocal, within
         one float32 rounding of it."""
-        if type(self).end_round is not ControlVariateSolver.end_round or any(
+        if type(self).end_round is not ControlVariateSolver.end_round or not self.batches_saved_after_round() or any(
                 type(m.solver).new_control_variate is not ControlVariateSolver.new_control_variate
                 or m.solver.params.cv_update != self.params.cv_update or m.solver.lr != self.lr for m in members):
             return
@@ -261,23 +262,22 @@ class ControlVariateSolver(StackedStateSolver):
                 new = grad_sums[i] / scale
             news[name] = new
             dcs[name] = StackedRows((new - c_i).detach().cpu().contiguous())
-        saved = self.cohort_saved_after_round(members, list(news.values()), weights, index)
-        if saved is None:
-            return
         replies = [arrays_to_record((k, deferred_row(stack, c)) for k, stack in dcs.items()) for c in range(len(solvers))]
-        blocks, layout = saved
+        blocks, layout = self.cohort_saved_after_round(members, list(news.values()), weights, index)
         self.hand_formed_rows(solvers, blocks, layout, replies)
 
+    def batches_saved_after_round(self) -> bool:
+        """Whether :meth:`cohort_saved_after_round` forms what this class's
+        ``saved_after_round`` stores (not for a subclass with its own: its
+        members end client by client)."""
+        return type(self).saved_after_round is ControlVariateSolver.saved_after_round
+
     def cohort_saved_after_round(self, members: list, new_c: list[torch.Tensor], weights: list[torch.Tensor],
-                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout] | None:
+                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout]:
         """:meth:`saved_after_round` for every member at once: the ``[C, ...]``
         blocks of what ``end_round`` stores, in the order of their layout
         (``new_c``: the members' new ``c_i``, one block per parameter;
-        ``weights`` and ``index``: the trained weights and the members' rows).
-        None when the class's ``saved_after_round`` is not the one this forms
-        (a subclass's own: then each member's ``end_round``)."""
-        if type(self).saved_after_round is not ControlVariateSolver.saved_after_round:
-            return None
+        ``weights`` and ``index``: the trained weights and the members' rows)."""
         # c_i+ as what put stores, row by row (stored_layout: the parameters' names, shapes and dtype)
         return new_c, stored_layout(self.x)
 
@@ -401,18 +401,19 @@ class FedDCSolver(ControlVariateSolver):
 
     def saved_after_round(self, model: torch.nn.Module, new_c: OrderedDict) -> dict[str, OrderedDict]:
         """The new ``c_i`` and ``h_i`` (:func:`drift_update`), stored together
-        by SCAFFOLD's ``end_round``, which sends ``dc = c_i+ - c_i``."""
+        by :meth:`ControlVariateSolver.end_round`, which sends ``dc = c_i+ - c_i``."""
         return {"c": new_c, "h": OrderedDict((k, drift_update(self.h_i[k], p.detach(), self.x[k]))
                                              for k, p in model.named_parameters())}
 
+    def batches_saved_after_round(self) -> bool:
+        return type(self).saved_after_round is FedDCSolver.saved_after_round
+
     def cohort_saved_after_round(self, members: list, new_c: list[torch.Tensor], weights: list[torch.Tensor],
-                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout] | None:
+                                 index: torch.Tensor) -> tuple[list[torch.Tensor], Layout]:
         """:meth:`saved_after_round` for every member at once: the new ``c_i``
         and ``h_i + (theta_i - x)`` (:func:`drift_update`, elementwise: the
         values one client at a time gives), in the layout ``end_round``
         stores (``c.<name>`` then ``h.<name>``)."""
-        if type(self).saved_after_round is not FedDCSolver.saved_after_round:
-            return None
         solvers = [m.solver for m in members]
         h_i = self.members_saved(members, ("h_i",))["h_i"]
         new_h = [drift_update(h, w.detach().index_select(0, index), self.shared_or_stacked([s.x[name] for s in solvers]))
