@@ -7,7 +7,9 @@ For each workload and algorithm, one invocation times, on this machine:
     seeded samplers), per-client batch order, local epochs, and the same aggregation
     arithmetic (FedAvg's weighted mean; FedCDR's Douglas-Rachford client step and
     ``x += sum g / n``; FedPM's FOOF-preconditioned local steps and Cholesky
-    preconditioned mixing in float64, as the strategy does);
+    preconditioned mixing in float64, as the strategy does; SCAFFOLD's corrected
+    steps and control variates; FedDC's, with its drift ``h_i`` and the server's
+    sum of drifts);
 (b) ``fast``: the project's in-process runner (``fedaccel-run``), clients one after
     another (``cohort-batching='off'``);
 (b') ``cohort``: the same runner with the round's clients trained as one batched model
@@ -86,7 +88,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp200-fmnist": {"dataset": "fashion-mnist", "model": "mlp200", "batch-size": 32},
     "cnn-fmnist": {"dataset": "fashion-mnist", "model": "cnn", "batch-size": 32},
 }
-ALGOS = ("fedavg", "fedcdr", "fedpm", "scaffold")
+ALGOS = ("fedavg", "fedcdr", "fedpm", "scaffold", "feddc")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
 MODES = ("bare", "fast", "cohort", "ray", "ray-cohort", "no-steps")
 UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
@@ -147,7 +149,9 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
     damping = cfg["fedpm.damping"]
     dr_state: dict[int, tuple[dict, dict, dict]] = {}
     cv_state: dict[int, dict[str, torch.Tensor]] = {}  # SCAFFOLD's c_i
-    c_glob = {n: torch.zeros_like(p) for n, p in params.items()}  # SCAFFOLD's c
+    c_glob = {n: torch.zeros_like(p) for n, p in params.items()}  # SCAFFOLD's and FedDC's c
+    drift_state: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # FedDC's c_i, h_i
+    h_glob = {n: torch.zeros_like(p) for n, p in params.items()}  # FedDC's H, the sum of the h_i
 
     def evaluate() -> float:
         model.load_state_dict(glob)
@@ -236,6 +240,40 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
                 for k, v in model.state_dict().items():
                     y_sum[k] += v
             glob = OrderedDict((k, v / len(ids)) for k, v in y_sum.items())
+            c_glob = {n: c_glob[n] + dc_sum[n] / clients for n in params}
+        elif algo == "feddc":  # the FedDC authors' code's rules, as fedaccel runs them: steps on
+            # g + alpha (w - x + h_i) + c - c_i; c_i+ = mean of the gradients without the correction
+            # ('mean-gradient'); h_i += theta_i - x; c += sum of dc / n; H += sum of (theta_i - x);
+            # x = mean of the theta_i + H / n
+            theta_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+            dc_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+            wd, drift_alpha = cfg["weight-decay"], cfg["feddc.alpha"]
+            for pid in ids:
+                x, y = train[pid]
+                c_i, h_i = drift_state.get(pid) or ({n: torch.zeros_like(p) for n, p in params.items()},
+                                                    {n: torch.zeros_like(p) for n, p in params.items()})
+                correction = {n: c_glob[n] - c_i[n] for n in params}
+                grad_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+                steps = [0]
+                model.load_state_dict(glob)
+
+                def drift_and_correct(correction=correction, grad_sum=grad_sum, steps=steps, h_i=h_i) -> None:
+                    steps[0] += 1
+                    for n, p in params.items():
+                        p.grad.add_(p.detach() - glob[n] + h_i[n], alpha=drift_alpha)
+                        grad_sum[n].add_(p.grad)
+                        if wd:
+                            grad_sum[n].add_(p.detach(), alpha=wd)
+                        p.grad.add_(correction[n])
+                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), drift_and_correct)
+                new = {n: v / steps[0] for n, v in grad_sum.items()} if steps[0] else c_i
+                theta = {n: p.detach().clone() for n, p in params.items()}
+                for n in params:
+                    dc_sum[n] += new[n] - c_i[n]
+                    theta_sum[n] += theta[n]
+                drift_state[pid] = (new, {n: h_i[n] + (theta[n] - glob[n]) for n in params})
+            h_glob = {n: h_glob[n] + (theta_sum[n] - len(ids) * glob[n]) for n in params}
+            glob = OrderedDict((n, theta_sum[n] / len(ids) + h_glob[n] / clients) for n in params)
             c_glob = {n: c_glob[n] + dc_sum[n] / clients for n in params}
         else:  # fedpm: FOOF-preconditioned local steps, preconditioned mixing
             layers = OrderedDict(foof.foof_layers(model))

@@ -16,7 +16,7 @@ def _overhead():
     return bench_script("overhead")
 
 
-@pytest.mark.parametrize("algo, mode", [("fedavg", "fast"), ("fedcdr", "cohort"), ("scaffold", "cohort"),
+@pytest.mark.parametrize("algo, mode", [("fedavg", "fast"), ("fedcdr", "cohort"), ("scaffold", "cohort"), ("feddc", "cohort"),
                                         pytest.param("fedcdr", "fast", marks=pytest.mark.slow),
                                         pytest.param("fedpm", "fast", marks=pytest.mark.slow)])
 def test_bare_loop_and_fast_runner_reach_the_same_model(tmp_path, algo, mode):
