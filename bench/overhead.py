@@ -175,6 +175,30 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
                     grad_hook()
                 opt.step()
 
+    wd = cfg["weight-decay"]
+
+    def control_variate_steps(x, y, pid, rnd, c_i, drift=None) -> dict[str, torch.Tensor]:
+        """SCAFFOLD's local steps from the round's model on ``g + c - c_i``
+        (FedDC's: ``drift = (h_i, alpha)`` adds ``alpha (w - x + h_i)`` to
+        ``g`` first); the new ``c_i`` ('mean-gradient': the mean of the
+        gradients without the correction, weight decay included)."""
+        correction = {n: c_glob[n] - c_i[n] for n in params}
+        grad_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+        steps = [0]
+        model.load_state_dict(glob)
+
+        def correct() -> None:
+            steps[0] += 1
+            for n, p in params.items():
+                if drift is not None:
+                    p.grad.add_(p.detach() - glob[n] + drift[0][n], alpha=drift[1])
+                grad_sum[n].add_(p.grad)
+                if wd:
+                    grad_sum[n].add_(p.detach(), alpha=wd)
+                p.grad.add_(correction[n])
+        local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), correct)
+        return {n: v / steps[0] for n, v in grad_sum.items()} if steps[0] else c_i
+
     t_eval = time.perf_counter()
     evaluate()  # the frameworks score the initial model too
     eval_seconds = time.perf_counter() - t_eval
@@ -216,24 +240,10 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
             # gradients ('mean-gradient'); x = mean of the y_i (server lr 1); c += sum of dc / n
             y_sum = OrderedDict((k, torch.zeros_like(v)) for k, v in glob.items())
             dc_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-            wd = cfg["weight-decay"]
             for pid in ids:
                 x, y = train[pid]
                 c_i = cv_state.get(pid) or {n: torch.zeros_like(p) for n, p in params.items()}
-                correction = {n: c_glob[n] - c_i[n] for n in params}
-                grad_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-                steps = [0]
-                model.load_state_dict(glob)
-
-                def correct(correction=correction, grad_sum=grad_sum, steps=steps) -> None:
-                    steps[0] += 1
-                    for n, p in params.items():
-                        grad_sum[n].add_(p.grad)
-                        if wd:
-                            grad_sum[n].add_(p.detach(), alpha=wd)
-                        p.grad.add_(correction[n])
-                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), correct)
-                new = {n: v / steps[0] for n, v in grad_sum.items()} if steps[0] else c_i
+                new = control_variate_steps(x, y, pid, rnd, c_i)
                 for n in params:
                     dc_sum[n] += new[n] - c_i[n]
                 cv_state[pid] = new
@@ -247,26 +257,11 @@ def bare_run(ov: dict[str, Any], clients: int) -> dict[str, Any]:
             # x = mean of the theta_i + H / n
             theta_sum = {n: torch.zeros_like(p) for n, p in params.items()}
             dc_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-            wd, drift_alpha = cfg["weight-decay"], cfg["feddc.alpha"]
             for pid in ids:
                 x, y = train[pid]
                 c_i, h_i = drift_state.get(pid) or ({n: torch.zeros_like(p) for n, p in params.items()},
                                                     {n: torch.zeros_like(p) for n, p in params.items()})
-                correction = {n: c_glob[n] - c_i[n] for n in params}
-                grad_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-                steps = [0]
-                model.load_state_dict(glob)
-
-                def drift_and_correct(correction=correction, grad_sum=grad_sum, steps=steps, h_i=h_i) -> None:
-                    steps[0] += 1
-                    for n, p in params.items():
-                        p.grad.add_(p.detach() - glob[n] + h_i[n], alpha=drift_alpha)
-                        grad_sum[n].add_(p.grad)
-                        if wd:
-                            grad_sum[n].add_(p.detach(), alpha=wd)
-                        p.grad.add_(correction[n])
-                local_sgd(x, y, seeded_generator(seed, rnd, pid, "train"), drift_and_correct)
-                new = {n: v / steps[0] for n, v in grad_sum.items()} if steps[0] else c_i
+                new = control_variate_steps(x, y, pid, rnd, c_i, drift=(h_i, cfg["feddc.alpha"]))
                 theta = {n: p.detach().clone() for n, p in params.items()}
                 for n in params:
                     dc_sum[n] += new[n] - c_i[n]
