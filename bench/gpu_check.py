@@ -142,7 +142,7 @@ def install_kit(kit: Path) -> str | None:
 def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[str, list[str], int, bool]]:
     """(name, command, time limit in seconds, needs Fashion-MNIST) in the order they run."""
     bench = [python, str(ROOT / "bench" / "overhead.py"), "--device", device, "--out", str(out / "overhead")]
-    synthetic = ["--workloads", "mlp-synthetic", "--algos", "fedavg", "scaffold", "fedcdr", "fedpm",
+    synthetic = ["--workloads", "mlp-synthetic", "--algos", "fedavg", "scaffold", "feddc", "fedcdr", "fedpm",
                  "--modes", "bare", "fast", "cohort", "--rounds", "10"]
     return [
         ("env", [python, __file__, "env", "--out", str(out), "--device", device], 120, False),
@@ -150,7 +150,7 @@ def step_commands(out: Path, python: str, device: str = "cuda") -> list[tuple[st
                     str(ROOT / "tests" / "test_cohort.py"), str(ROOT / "tests" / "test_client_state.py"),
                     str(ROOT / "tests" / "test_memory.py"), str(ROOT / "tests" / "test_arrays.py")], 240, False),
         ("equivalence", [python, __file__, "equivalence", "--out", str(out), "--device", device], 180, False),
-        ("overhead-100", bench + synthetic + ["--per-round", "100"], 300, False),
+        ("overhead-100", bench + synthetic + ["--per-round", "100"], 420, False),
         ("overhead-10", bench + synthetic + ["--per-round", "10"], 200, False),
         ("cnn-1000", bench + ["--workloads", "cnn-fmnist", "--algos", "fedavg", "--modes", "bare", "cohort", "no-steps",
                               "--clients", "1000", "--per-round", "1000", "--rounds", "3"], 300, True),
@@ -311,7 +311,7 @@ def _round_difference(algo: str, model_name: str, device: str, tf32: bool, chang
     config = train_config_record(1, 0.05, 2, None)
     config["accepted-round"] = 0
     received = {}
-    if algo == "scaffold":  # the server's control variate c, not zero, so that the correction counts
+    if algo in ("scaffold", "feddc"):  # the server's control variate c, not zero, so that the correction counts
         from fedaccel.clients.scaffold import C_RECORD, control_variate_record
         received = {C_RECORD: control_variate_record({k: 0.1 * torch.randn(p.shape, generator=gen).numpy()
                                                       for k, p in model.named_parameters()})}
@@ -344,6 +344,7 @@ def equivalence_step(out: Path, device: str) -> int:
     for algo, model_name, changes in [("fedavg", "mlp", {"weight-decay": 1e-3}),
                                       ("scaffold", "mlp", {}),
                                       ("scaffold", "mlp", {"scaffold.cv-update": "option-ii"}),
+                                      ("feddc", "mlp", {"feddc.alpha": 0.5}),
                                       ("fedcdr", "mlp", {"fedcdr.eta": 0.5}),
                                       ("fedpm", "mlp", {}),
                                       ("fedavg", "cnn", {})]:

@@ -209,6 +209,7 @@ def test_a_float64_cohort_is_batched_in_float64(algo: str, changes: dict) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cohort-batching='auto' batches there too)")
 @pytest.mark.parametrize("algo, changes", [("fedavg", {"momentum": 0.9, "weight-decay": 1e-3}),
                                            ("scaffold", {"momentum": 0.9}),
+                                           ("feddc", {"momentum": 0.9, "feddc.alpha": 0.5}),
                                            ("fedcdr", {"momentum": 0.9, "fedcdr.eta": 0.5}),
                                            ("fedpm", {})])
 def test_a_batched_round_on_a_gpu_equals_the_per_client_round(algo: str, changes: dict) -> None:
