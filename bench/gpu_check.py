@@ -6,7 +6,7 @@ own time limit, so that one hang or failure costs only its own step:
 
 1. ``env``: torch, CUDA, cuDNN, the GPU, and whether TF32 is on (``env.json``);
 2. ``pytest``: the suite's GPU tests (the batched round on ``cuda`` equal to the
-   per-client round for FedAvg, SCAFFOLD, FedCDR and FedPM; the written-out
+   per-client round for FedAvg, SCAFFOLD, FedDC, FedCDR and FedPM; the written-out
    backward bit for bit; client state on the GPU; the server's mean of
    uploads kept on the GPU bit for bit the NumPy loop's) and the rest of the
    files they live in;
