@@ -206,6 +206,6 @@ class LocalGrid(Grid):
         try:
             reply = self.client_app(message, context)
         except Exception as err:  # a client failure is a reply, as in Flower (which logs it)
-            log_raised(node_label(context), err)
+            log_raised(node_label(context, message), err)
             return exception_reply(message, err)
         return reply

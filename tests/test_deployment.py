@@ -55,8 +55,9 @@ def two_rounds(algo: str) -> str:
 
 def check_two_rounds(deployment, algo: str, returncode: int, out: str) -> None:
     run_dir = deployment.results / algo
-    assert returncode == 0, out[-3000:]
-    assert f"results written to {run_dir}" in out
+    # a ServerApp that raised still ends `flwr run --stream` with 0: its traceback is in the output's end
+    assert returncode == 0, out[-6000:]
+    assert f"results written to {run_dir}" in out, out[-6000:]
     for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png", "final_model.npz"):
         assert (run_dir / name).is_file(), name
     metrics = rows(run_dir)
