@@ -21,6 +21,10 @@ from flwr.common.constant import ErrorCode
 from fedaccel.contract import ContractError
 from fedaccel.errors import USER_ERRORS
 
+# a cohort node's envelopes are "train.cohort" and "evaluate.cohort" messages (fedaccel.cohort_nodes,
+# which imports it from here: its error replies and logs are this module's)
+COHORT_ACTION = "cohort"
+
 
 def exception_reply(message: Message, err: BaseException) -> Message:
     """The error reply Flower's engines give for an exception raised in the
@@ -30,9 +34,15 @@ def exception_reply(message: Message, err: BaseException) -> Message:
     return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
 
 
-def node_label(context: Context) -> str:
-    """``node <node id> (partition <partition-id>)``, as the server's log shows it."""
-    return f"node {context.node_id} (partition {context.node_config.get('partition-id', '?')})"
+def node_label(context: Context, message: Message | None = None) -> str:
+    """``node <node id> (partition <partition-id>)``, as the server's log shows
+    it; for a cohort node's envelope (a ``<type>.cohort`` ``message``, whose
+    node's ``partition-id`` is the slot of the clients it serves, not a
+    client's partition) ``cohort node <node id> (slot <partition-id>)``."""
+    where = context.node_config.get("partition-id", "?")
+    if message is not None and message.metadata.message_type.endswith("." + COHORT_ACTION):
+        return f"cohort node {context.node_id} (slot {where})"
+    return f"node {context.node_id} (partition {where})"
 
 
 _RAISED: set[str] = set()  # the exceptions this process has logged with their traceback

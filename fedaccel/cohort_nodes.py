@@ -41,11 +41,11 @@ from flwr.app.metadata import Metadata
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from fedaccel.client_errors import COHORT_ACTION  # envelopes are "train.cohort" and "evaluate.cohort"
 from fedaccel.errors import FederationError
 from fedaccel.grids import GridView
 from fedaccel.membership import query_partitions
 
-COHORT_ACTION = "cohort"  # envelopes are "train.cohort" and "evaluate.cohort" messages
 LOGICAL_NODE_BASE = 1 << 62  # logical client p shows as node LOGICAL_NODE_BASE + p
 INDEX = "cohort"  # the envelope's index record
 REPLY_INDEX = "cohort-replies"  # the reply envelope's index record

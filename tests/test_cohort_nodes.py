@@ -296,6 +296,36 @@ def test_one_clients_bug_fails_that_client_alone(monkeypatch):
     assert reply.content["cohort-replies"]["note"].startswith("each node trains its clients one after another")
 
 
+def test_a_bug_that_fails_a_whole_envelope_is_logged_as_the_cohort_nodes_slot(monkeypatch, caplog):
+    """A bug outside any one client (here in the batched trainer itself) fails
+    the cohort node's envelope on the in-process grid; its log line names the
+    node and the slot it serves, not a client partition (a cohort node's
+    ``partition-id`` is its slot)."""
+    import logging
+
+    import fedaccel.apps.client_app as ca
+    import fedaccel.client_errors as client_errors
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shared step bug")
+
+    monkeypatch.setattr(ca, "train_cohort", broken)
+    monkeypatch.setattr(client_errors, "_RAISED", set())
+    config = fuse(default_run_config(), {"logical-clients": 4, "synthetic.max-samples": 80, "cohort-batching": "on"})
+    grid = LocalGrid(client_app, config, num_clients=2)
+    node = next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 1)
+    messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
+                for p in (1, 3)]
+    envelope = Message(pack_envelope(messages, 4), node, "train.cohort")
+    envelope.metadata.__dict__["_message_id"] = "env"
+    caplog.set_level(logging.ERROR, logger="flwr")
+    reply = grid.deliver(envelope)
+    assert reply.has_error() and reply.error.reason == "RuntimeError: shared step bug"
+    assert [r.getMessage() for r in caplog.records] == [f"[fedaccel] cohort node {node} (slot 1) raised"]
+    # a client's own message on a node of its own keeps the partition wording
+    assert client_errors.node_label(grid.contexts[node], messages[0]) == f"node {node} (partition 1)"
+
+
 def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):
     """A resumed fast run would rebuild its nodes with one client each (the
     checkpoint knows the clients, not the nodes): refused in one line."""
