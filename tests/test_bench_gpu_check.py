@@ -23,7 +23,7 @@ def test_steps_run_in_order_of_worth_and_go_to_the_device_asked_for(tmp_path):
     assert [name for name, *_ in steps] == ["env", "pytest", "equivalence", "overhead-100", "overhead-10",
                                             "cnn-1000", "overhead-fmnist", "profile-cnn-1000"]
     for name, cmd, limit, needs_fmnist in steps:
-        assert 0 < limit <= 300, name
+        assert 0 < limit <= 420, name  # each step well inside one 10-minute device call
         if "overhead.py" in " ".join(cmd):
             assert cmd[cmd.index("--device") + 1] == "cuda" and "ray" not in cmd, name
         assert needs_fmnist == (name in ("cnn-1000", "overhead-fmnist", "profile-cnn-1000")), name
