@@ -44,7 +44,7 @@ from flwr.serverapp import Grid
 from fedaccel.client_errors import COHORT_ACTION  # envelopes are "train.cohort" and "evaluate.cohort"
 from fedaccel.errors import FederationError
 from fedaccel.grids import GridView
-from fedaccel.membership import query_partitions
+from fedaccel.membership import TRANSIENT_ATTEMPTS, TransientAnswer, query_partitions
 
 LOGICAL_NODE_BASE = 1 << 62  # logical client p shows as node LOGICAL_NODE_BASE + p
 INDEX = "cohort"  # the envelope's index record
@@ -183,6 +183,7 @@ class CohortNodes(GridView):
         self._node_of_slot: dict[int, int] = {}
         self._num_nodes: int | None = None  # W, as the nodes report it
         self._ignored: set[int] = set()
+        self._transient: dict[int, int] = {}  # node -> Flower-side error answers before the first round
         self._started = False  # discovery is over (close_discovery, or a training round was sent)
         self._notes: set[str] = set()  # what the nodes said about how they train (logged once each)
         self._announce = announce  # where those lines go (None: the server's log, at INFO)
@@ -213,6 +214,14 @@ class CohortNodes(GridView):
                 answers.update({n: f"no answer within {self.query_timeout:g} s" for n in new if n not in answers})
             for node, answer in answers.items():
                 problem = None
+                if isinstance(answer, TransientAnswer) and not self._started:
+                    # before the first round, Flower's own errors are asked again, as discover_federation does
+                    self._transient[node] = self._transient.get(node, 0) + 1
+                    if self._transient[node] < TRANSIENT_ATTEMPTS:
+                        log(WARNING, "[fedaccel] node %s did not say which clients it serves (%s); asking it "
+                            "again (%s of %s)", node, answer, self._transient[node] + 1, TRANSIENT_ATTEMPTS)
+                        continue
+                    answer = f"{answer} (asked {self._transient[node]} times)"
                 if isinstance(answer, str):
                     problem = f"node {node} could not report which clients it serves: {answer}"
                 elif self._num_nodes is not None and answer[1] != self._num_nodes:

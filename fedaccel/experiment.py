@@ -10,7 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Iterator, Protocol
 
@@ -37,7 +37,7 @@ from fedaccel.runtime import build_model_for, data_config_for, load_data, model_
 from fedaccel.torch_utils import environment, evaluate, select_device, state_to_arrays
 from fedaccel.cohort_nodes import CohortNodes
 from fedaccel.grids import PromptGrid
-from fedaccel.membership import Federation, query_partitions
+from fedaccel.membership import TRANSIENT_ATTEMPTS, Federation, TransientAnswer, query_partitions
 
 
 MISSING_NODES_HINT = (
@@ -55,17 +55,31 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
     ``timeout`` seconds (the run's ``round-timeout``: an answer is a ClientApp
     start, as slow as a round's on a busy machine) with a message saying how
     many are missing, and whether they are offline or did not answer.
+
+    A node whose answer was an error of Flower's own saying the message did
+    not get through or the ClientApp died (:class:`TransientAnswer`: a busy
+    SuperLink, a reply whose upload expired, a crashed ClientApp process) is
+    asked again, at most ``TRANSIENT_ATTEMPTS`` times in all, with a warning;
+    any other error (the ClientApp ran and raised) ends the run at once.
     """
     deadline = time.monotonic() + timeout
     partition_of: dict[int, int] = {}
+    transient: dict[int, int] = {}  # node -> error replies that may not happen again
     expected: int | None = None
     while True:
         new = [n for n in grid.get_node_ids() if n not in partition_of]
         if new:
             answers = query_partitions(grid, new, timeout=max(deadline - time.monotonic(), 1.0))
             for node, answer in answers.items():
+                if isinstance(answer, TransientAnswer):
+                    transient[node] = transient.get(node, 0) + 1
+                    if transient[node] < TRANSIENT_ATTEMPTS:
+                        log(WARNING, "[fedaccel] node %s did not report its partition (%s); asking it again "
+                            "(%s of %s)", node, answer, transient[node] + 1, TRANSIENT_ATTEMPTS)
+                        continue
                 if isinstance(answer, str):
-                    raise FederationError(f"node {node} could not report its partition: {answer}")
+                    raise FederationError(f"node {node} could not report its partition: {answer}"
+                                          + (f" (asked {transient[node]} times)" if node in transient else ""))
                 pid, n = answer
                 if expected is not None and n != expected:
                     raise FederationError(

@@ -13,9 +13,25 @@ from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedaccel.client_errors import exception_cause
+
+# Flower's error replies for a message that did not get through, or a
+# ClientApp process that died, as opposed to one that ran and raised: asking
+# again can succeed (a busy SuperLink or SuperNode, a reply whose upload
+# expired, a node that restarted).
+TRANSIENT_ERROR_CODES = frozenset({ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+                                   ErrorCode.NODE_UNAVAILABLE, ErrorCode.CLIENT_APP_CRASHED})
+
+
+TRANSIENT_ATTEMPTS = 3  # discovery asks a node at most this often while its answers are transient errors
+
+
+class TransientAnswer(str):
+    """The cause of an error reply with a code of :data:`TRANSIENT_ERROR_CODES`
+    (a ``str`` like any other failed answer of :func:`query_partitions`)."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +57,10 @@ def query_partitions(grid: Grid, node_ids: list[int], timeout: float) -> dict[in
     """Ask nodes which data partition they hold (one ``query`` message each).
 
     Returns ``{node: (partition-id, num-partitions)}``, or the error's last line
-    for a node whose reply was an error; nodes that did not reply within
-    ``timeout`` seconds are missing from the result.
+    for a node whose reply was an error (a :class:`TransientAnswer` where
+    Flower says the message or reply did not get through, or the ClientApp
+    died); nodes that did not reply within ``timeout`` seconds are missing
+    from the result.
     """
     messages = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY)
                 for node in node_ids]
@@ -50,7 +68,8 @@ def query_partitions(grid: Grid, node_ids: list[int], timeout: float) -> dict[in
     for reply in grid.send_and_receive(messages, timeout=timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
-            found[node] = exception_cause(reply.error.reason)
+            cause = exception_cause(reply.error.reason)
+            found[node] = TransientAnswer(cause) if reply.error.code in TRANSIENT_ERROR_CODES else cause
             continue
         rec = reply.content.config_records["partition"]
         found[node] = (int(rec["partition-id"]), int(rec["num-partitions"]))

@@ -136,6 +136,39 @@ def test_a_restarted_node_takes_its_slot_over_once_the_old_one_is_offline(tmp_pa
     assert len(list(view.get_node_ids())) == 6 and train_slot_1() == [999]
 
 
+@pytest.mark.parametrize("crashes", [2, 3])
+def test_cohort_discovery_asks_again_after_flowers_own_errors(tmp_path, crashes):
+    """Before the first round, a node whose answer was an error of Flower's
+    own (its ClientApp process died) is asked again, up to three times in all,
+    as discover_federation asks a node of its own; a third such answer stops
+    the run with the cause."""
+    from flwr.common.constant import ErrorCode
+
+    from fedaccel.errors import FederationError
+
+    class Crashing(LocalGrid):
+        left = crashes
+
+        def deliver(self, message):
+            if message.metadata.message_type == "query" and self.contexts[message.metadata.dst_node_id] \
+                    .node_config["partition-id"] == 1 and Crashing.left:
+                Crashing.left -= 1
+                return Message(Error(ErrorCode.CLIENT_APP_CRASHED, "ClientApp process exited unexpectedly"),
+                               reply_to=message)
+            return super().deliver(message)
+
+    run_config = fuse(default_run_config(), {"logical-clients": 4, "results-dir": str(tmp_path)})
+    view = CohortNodes(PromptGrid(Crashing(client_app, run_config, num_clients=2, seed=0)), 4, query_timeout=1.0)
+    if crashes < 3:
+        federation = discover_federation(view, timeout=5, poll=0.01)
+        assert sorted(federation.node_of_partition) == [0, 1, 2, 3]
+    else:
+        with pytest.raises(FederationError, match=r"could not report which clients it serves: ClientApp process "
+                                                  r"exited unexpectedly \(asked 3 times\)$"):
+            discover_federation(view, timeout=5, poll=0.01)
+    assert Crashing.left == 0
+
+
 def test_a_node_that_joins_and_never_answers_is_asked_once(tmp_path):
     """After discovery, a node that cannot say which clients it serves is
     logged and left out; it is not asked again (each ask waits the query

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 
 from fakes import NODES, StubGrid, arrays, build
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.usefixtures("server_identity")
 # --------------------------------------------------------------------------- #
 class QueryGrid(StubGrid):
     """Online node ids that change between rounds; nodes answer ``query``
-    messages with the partition they hold (``claims``: node -> (pid, n) or an
-    error reason)."""
+    messages with the partition they hold (``claims``: node -> (pid, n), the
+    reason of the error a ClientApp that raised gives, an ``Error`` of
+    Flower's own, or a list of those: one per query, in turn)."""
 
     def __init__(self, online, claims):
         super().__init__(online)
@@ -36,10 +38,14 @@ class QueryGrid(StubGrid):
             node = m.metadata.dst_node_id
             self.queried.append(node)
             claim = self.claims.get(node)
+            if isinstance(claim, list):
+                claim = claim.pop(0)
             if claim is None:
                 continue  # no answer before the timeout
             if isinstance(claim, str):
-                out.append(Message(Error(4, claim), reply_to=m))
+                out.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, claim), reply_to=m))
+            elif isinstance(claim, Error):
+                out.append(Message(claim, reply_to=m))
             else:
                 record = ConfigRecord({"partition-id": claim[0], "num-partitions": claim[1]})
                 out.append(Message(RecordDict({"partition": record}), reply_to=m))
@@ -103,6 +109,42 @@ def test_discovery_says_when_online_nodes_do_not_answer():
                                               r"for in that time: set fewer \(fedaccel-federations size "
                                               r"local-simulation N\)$"):
         discover_federation(_SilentGrid([5, 6]), timeout=0.05, poll=0.01)
+
+
+CRASHED = Error(ErrorCode.CLIENT_APP_CRASHED, "ClientApp process exited unexpectedly")
+UNAVAILABLE = Error(ErrorCode.MESSAGE_UNAVAILABLE, "Reply message objects are unavailable.")
+
+
+def test_discovery_asks_again_after_flowers_own_errors_and_warns(caplog):
+    """A node whose answer was an error of Flower's own (the ClientApp process
+    died, the reply could not be pulled: a busy machine) is asked again, with
+    a warning, and the run starts; the node that answered is not asked again."""
+    from fedaccel.experiment import discover_federation
+
+    caplog.set_level(logging.WARNING, logger="flwr")
+    grid = QueryGrid([5, 6], {5: (0, 2), 6: [CRASHED, UNAVAILABLE, (1, 2)]})
+    federation = discover_federation(grid, timeout=5, poll=0.01)
+    assert federation.node_of_partition == {0: 5, 1: 6}
+    assert grid.queried == [5, 6, 6, 6]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["[fedaccel] node 6 did not report its partition (ClientApp process exited unexpectedly); "
+                        "asking it again (2 of 3)",
+                        "[fedaccel] node 6 did not report its partition (Reply message objects are unavailable.); "
+                        "asking it again (3 of 3)"]
+
+
+@pytest.mark.parametrize("claims, says, asked", [
+    ([CRASHED, CRASHED, CRASHED, (1, 2)], r"ClientApp process exited unexpectedly \(asked 3 times\)$", 3),
+    (["ValueError: no data", (1, 2)], r"ValueError: no data$", 1),  # the ClientApp ran and raised: at once
+])
+def test_discovery_stops_at_an_error_that_recurs_or_that_the_clientapp_raised(claims, says, asked):
+    from fedaccel.errors import FederationError
+    from fedaccel.experiment import discover_federation
+
+    grid = QueryGrid([5, 6], {5: (0, 2), 6: claims})
+    with pytest.raises(FederationError, match=r"^node 6 could not report its partition: " + says):
+        discover_federation(grid, timeout=5, poll=0.01)
+    assert grid.queried == [5] + [6] * asked
 
 
 def test_discovery_says_when_nodes_are_missing():
