@@ -221,7 +221,7 @@ class CohortNodes(GridView):
                         log(WARNING, "[fedaccel] node %s did not say which clients it serves (%s); asking it "
                             "again (%s of %s)", node, answer, self._transient[node] + 1, TRANSIENT_ATTEMPTS)
                         continue
-                    answer = f"{answer} (asked {self._transient[node]} times)"
+                    answer = f"{answer} ({self._transient[node]} such answers)"
                 if isinstance(answer, str):
                     problem = f"node {node} could not report which clients it serves: {answer}"
                 elif self._num_nodes is not None and answer[1] != self._num_nodes:

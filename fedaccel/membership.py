@@ -65,8 +65,12 @@ def query_partitions(grid: Grid, node_ids: list[int], timeout: float) -> dict[in
     messages = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY)
                 for node in node_ids]
     found: dict[int, tuple[int, int] | str] = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
-        node = reply.metadata.src_node_id
+    replies = grid.send_and_receive(messages, timeout=timeout)
+    # the node each message went to (the grid gave each its id when it sent it): Flower's own
+    # errors for a message that did not get through name the SuperLink as their source
+    asked = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+    for reply in replies:
+        node = asked.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         if reply.has_error():
             cause = exception_cause(reply.error.reason)
             found[node] = TransientAnswer(cause) if reply.error.code in TRANSIENT_ERROR_CODES else cause

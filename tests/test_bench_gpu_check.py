@@ -104,8 +104,8 @@ def test_a_dry_run_on_the_cpu_passes_its_first_steps(tmp_path):
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["torch"] and "matmul_allow_tf32" in env
     rows = json.loads((tmp_path / "equivalence.json").read_text())
-    assert {(r["algo"], r["model"]) for r in rows} == {("fedavg", "mlp"), ("scaffold", "mlp"), ("fedcdr", "mlp"),
-                                                       ("fedpm", "mlp"), ("fedavg", "cnn")}
+    assert {(r["algo"], r["model"]) for r in rows} == {("fedavg", "mlp"), ("scaffold", "mlp"), ("feddc", "mlp"),
+                                                       ("fedcdr", "mlp"), ("fedpm", "mlp"), ("fedavg", "cnn")}
     assert {r["tf32"] for r in rows} == {True, False}
     scaffold = [r for r in rows if r["algo"] == "scaffold"]
     assert {r["changes"].get("scaffold.cv-update", "default") for r in scaffold} == {"default", "option-ii"}

@@ -5,10 +5,11 @@ that appear during a run are asked which partition they hold."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from flwr.app import ConfigRecord, Error, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from fakes import NODES, StubGrid, arrays, build
 
@@ -45,7 +46,10 @@ class QueryGrid(StubGrid):
             if isinstance(claim, str):
                 out.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, claim), reply_to=m))
             elif isinstance(claim, Error):
-                out.append(Message(claim, reply_to=m))
+                reply = Message(claim, reply_to=m)
+                if claim.code != ErrorCode.CLIENT_APP_CRASHED:  # Flower's own delivery errors come
+                    reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID  # from the SuperLink
+                out.append(reply)
             else:
                 record = ConfigRecord({"partition-id": claim[0], "num-partitions": claim[1]})
                 out.append(Message(RecordDict({"partition": record}), reply_to=m))
@@ -111,30 +115,38 @@ def test_discovery_says_when_online_nodes_do_not_answer():
         discover_federation(_SilentGrid([5, 6]), timeout=0.05, poll=0.01)
 
 
-CRASHED = Error(ErrorCode.CLIENT_APP_CRASHED, "ClientApp process exited unexpectedly")
+# Flower's errors for a message that did not get through, or a ClientApp process that died
+# (the ones of codes 3, 4 and 5 name the SuperLink as their source: QueryGrid does so too)
+CRASHED = Error(ErrorCode.CLIENT_APP_CRASHED, "ClientApp stopped responding.")
 UNAVAILABLE = Error(ErrorCode.MESSAGE_UNAVAILABLE, "Reply message objects are unavailable.")
+REPLY_UNAVAILABLE = Error(ErrorCode.REPLY_MESSAGE_UNAVAILABLE, "Reply message has expired.")
+NODE_UNAVAILABLE = Error(ErrorCode.NODE_UNAVAILABLE, "Node Unavailable")
 
 
 def test_discovery_asks_again_after_flowers_own_errors_and_warns(caplog):
-    """A node whose answer was an error of Flower's own (the ClientApp process
-    died, the reply could not be pulled: a busy machine) is asked again, with
-    a warning, and the run starts; the node that answered is not asked again."""
+    """Nodes whose answers were errors of Flower's own (the ClientApp process
+    died, the message or reply did not get through: a busy machine), two each,
+    are asked again, with a warning naming the node the message went to (not
+    the SuperLink the error came from), and the run starts; the node that
+    answered is not asked again."""
     from fedaccel.experiment import discover_federation
 
     caplog.set_level(logging.WARNING, logger="flwr")
-    grid = QueryGrid([5, 6], {5: (0, 2), 6: [CRASHED, UNAVAILABLE, (1, 2)]})
+    grid = QueryGrid([5, 6, 7], {5: (0, 3), 6: [CRASHED, UNAVAILABLE, (1, 3)],
+                                 7: [REPLY_UNAVAILABLE, NODE_UNAVAILABLE, (2, 3)]})
     federation = discover_federation(grid, timeout=5, poll=0.01)
-    assert federation.node_of_partition == {0: 5, 1: 6}
-    assert grid.queried == [5, 6, 6, 6]
+    assert federation.node_of_partition == {0: 5, 1: 6, 2: 7}
+    assert grid.queried == [5, 6, 7, 6, 7, 6, 7]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["[fedaccel] node 6 did not report its partition (ClientApp process exited unexpectedly); "
-                        "asking it again (2 of 3)",
-                        "[fedaccel] node 6 did not report its partition (Reply message objects are unavailable.); "
-                        "asking it again (3 of 3)"]
+    assert warnings == [f"[fedaccel] node {node} did not report its partition ({error.reason}); asking it again "
+                        f"({attempt} of 3)"
+                        for attempt, errors in ((2, (CRASHED, REPLY_UNAVAILABLE)), (3, (UNAVAILABLE, NODE_UNAVAILABLE)))
+                        for node, error in zip((6, 7), errors)]
 
 
 @pytest.mark.parametrize("claims, says, asked", [
-    ([CRASHED, CRASHED, CRASHED, (1, 2)], r"ClientApp process exited unexpectedly \(asked 3 times\)$", 3),
+    *[([error] * 3 + [(1, 2)], rf"{re.escape(error.reason)} \(3 such answers\)$", 3)
+      for error in (CRASHED, UNAVAILABLE, REPLY_UNAVAILABLE, NODE_UNAVAILABLE)],
     (["ValueError: no data", (1, 2)], r"ValueError: no data$", 1),  # the ClientApp ran and raised: at once
 ])
 def test_discovery_stops_at_an_error_that_recurs_or_that_the_clientapp_raised(claims, says, asked):
