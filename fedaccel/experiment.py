@@ -79,7 +79,7 @@ def discover_federation(grid: Grid, timeout: float = 120.0, poll: float = 0.5) -
                         continue
                 if isinstance(answer, str):
                     raise FederationError(f"node {node} could not report its partition: {answer}"
-                                          + (f" ({transient[node]} such answers)" if node in transient else ""))
+                                          + (f" ({transient[node]} such answers)" if isinstance(answer, TransientAnswer) else ""))
                 pid, n = answer
                 if expected is not None and n != expected:
                     raise FederationError(

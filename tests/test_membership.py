@@ -148,6 +148,7 @@ def test_discovery_asks_again_after_flowers_own_errors_and_warns(caplog):
     *[([error] * 3 + [(1, 2)], rf"{re.escape(error.reason)} \(3 such answers\)$", 3)
       for error in (CRASHED, UNAVAILABLE, REPLY_UNAVAILABLE, NODE_UNAVAILABLE)],
     (["ValueError: no data", (1, 2)], r"ValueError: no data$", 1),  # the ClientApp ran and raised: at once
+    ([CRASHED, "ValueError: no data", (1, 2)], r"ValueError: no data$", 2),  # its own line, no count
 ])
 def test_discovery_stops_at_an_error_that_recurs_or_that_the_clientapp_raised(claims, says, asked):
     from fedaccel.errors import FederationError
