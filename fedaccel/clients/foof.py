@@ -141,7 +141,8 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
 
     The arithmetic is :func:`compute_foof`'s: each client's rows in chunks of
     ``batch_size`` (its last chunk padded with zero rows, which add nothing,
-    to the cohort's widest chunk, ``min(batch_size, largest client)``),
+    to the widest of a group of last chunks of about its size,
+    :func:`_chunk_groups`),
     each chunk's ``R^T R`` a product in the model's dtype, a client's chunks
     summed in float64 in order (the same order on any device), then divided
     by its rows. Here every chunk of every client is one row of a batch (its
@@ -160,56 +161,72 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
         raise ValueError("a FOOF pass needs at least one input row")
     per_client = -(-counts // batch_size)  # chunks of each client
     owner = np.repeat(np.arange(len(xs)), per_client)  # each chunk's client
-    first_chunk = np.repeat(np.cumsum(per_client) - per_client, per_client)
-    # a chunk holds at most `width` rows: with every client under batch_size
-    # rows, the zero padding of each chunk stops at the largest client
-    width = int(min(batch_size, counts.max()))
-    slot = (np.arange(len(owner)) - first_chunk)[:, None] * batch_size + np.arange(width)  # [K, width]
-    valid = slot < counts[owner][:, None]
+    position = np.arange(len(owner)) - np.repeat(np.cumsum(per_client) - per_client, per_client)
+    real = np.minimum(counts[owner] - position * batch_size, batch_size)  # each chunk's rows
+    first_row = (np.cumsum(counts) - counts)[owner] + position * batch_size  # its first row in x_all
     x_all = torch.cat(xs + [xs[0].new_zeros((1,) + xs[0].shape[1:])])  # a padded slot reads the zero row
-    row_index = np.where(valid, (np.cumsum(counts) - counts)[owner][:, None] + slot, x_all.shape[0] - 1)
     device, dtype = x_all.device, weights[f"{layers[0]}.weight"].dtype
-    owner_t = torch.from_numpy(owner).to(device)
-    row_index_t = torch.from_numpy(row_index).to(device)
-    mask_t = torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(1)  # [K, 1, width]
-    real_t = torch.from_numpy(valid.sum(axis=1)).to(device=device, dtype=torch.float64)  # [K]
     dims = [int(weights[f"{name}.weight"][0][0].numel()) for name in layers]  # inputs, without the bias
     size = torch.finfo(dtype).bits // 8
-    per_chunk = (width * (int(x_all[0].numel()) + 2 * sum(dims)) * size
-                 + sum(d * d for d in dims) * (size + 8) + sum(int(w[0].numel()) for w in weights.values()) * size)
-    step = max(1, max_bytes // per_chunk)
+    fixed = sum(d * d for d in dims) * (size + 8) + sum(int(w[0].numel()) for w in weights.values()) * size
     wanted = [only is None or name in only for name in layers]
     sums = [torch.zeros(len(xs), d + 1, d + 1, dtype=torch.float64, device=device) if want else None
             for d, want in zip(dims, wanted)]
-    for begin in range(0, len(owner), step):
-        end = min(begin + step, len(owner))
-        chunk_owner = owner_t[begin:end]
-        # the group's chunks by their position within their client, added one
-        # position at a time: each index_add_ adds at most one chunk to a client,
-        # so its sums come in chunk order on any device (all of a client's
-        # chunks in one index_add_ would be summed in no fixed order on a GPU)
-        position = np.arange(begin, end) - first_chunk[begin:end]
-        by_position = []
-        for k in np.unique(position):
-            at = np.flatnonzero(position == k)
-            by_position.append((torch.from_numpy(at).to(device), owner_t[begin + at]))
-        x = x_all.index_select(0, row_index_t[begin:end].reshape(-1)).to(dtype)
-        p = {k: v.index_select(0, chunk_owner) for k, v in weights.items()}
-        inputs = layer_inputs(p, x.view((end - begin, width) + x_all.shape[1:]))
-        for i, (a, d) in enumerate(zip(inputs, dims)):
-            if not wanted[i]:
-                continue
-            if i:  # a padded row's input to a later layer is not zero (the biases)
-                a = a * mask_t[begin:end]
-            full = torch.empty(end - begin, d + 1, d + 1, dtype=torch.float64, device=device)
-            full[:, :d, :d] = torch.bmm(a, a.mT)  # model dtype product, float64 sum
-            full[:, :d, d] = a.sum(dim=2)  # the bias column of R^T R: row sums, and the row count
-            full[:, d, :d] = full[:, :d, d]
-            full[:, d, d] = real_t[begin:end]
-            for at, owners in by_position:  # a client's chunks in order; no client twice in one add
-                sums[i].index_add_(0, owners, full if len(at) == end - begin else full.index_select(0, at))
+    for chunks, width in _chunk_groups(real, batch_size):
+        per_chunk = width * (int(x_all[0].numel()) + 2 * sum(dims)) * size + fixed
+        step = max(1, max_bytes // per_chunk)
+        for begin in range(0, len(chunks), step):
+            group = chunks[begin:begin + step]
+            slot = np.arange(width)
+            valid = slot < real[group][:, None]  # [K, width]
+            row_index = np.where(valid, first_row[group][:, None] + slot, x_all.shape[0] - 1)
+            group_owner = torch.from_numpy(owner[group]).to(device)
+            # the group's chunks by their position within their client, added one
+            # position at a time: each index_add_ adds at most one chunk to a client,
+            # so its sums come in chunk order on any device (all of a client's
+            # chunks in one index_add_ would be summed in no fixed order on a GPU)
+            by_position = []
+            for k in np.unique(position[group]):
+                at = np.flatnonzero(position[group] == k)
+                by_position.append((torch.from_numpy(at).to(device), group_owner[torch.from_numpy(at).to(device)]))
+            x = x_all.index_select(0, torch.from_numpy(row_index.reshape(-1)).to(device)).to(dtype)
+            p = {k: v.index_select(0, group_owner) for k, v in weights.items()}
+            inputs = layer_inputs(p, x.view((len(group), width) + x_all.shape[1:]))
+            mask = (torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(1)
+                    if not valid.all() else None)  # [K, 1, width]
+            rows = torch.from_numpy(real[group]).to(device=device, dtype=torch.float64)
+            for i, (a, d) in enumerate(zip(inputs, dims)):
+                if not wanted[i]:
+                    continue
+                if i and mask is not None:  # a padded row's input to a later layer is not zero (the biases)
+                    a = a * mask
+                full = torch.empty(len(group), d + 1, d + 1, dtype=torch.float64, device=device)
+                full[:, :d, :d] = torch.bmm(a, a.mT)  # model dtype product, float64 sum
+                full[:, :d, d] = a.sum(dim=2)  # the bias column of R^T R: row sums, and the row count
+                full[:, d, :d] = full[:, :d, d]
+                full[:, d, d] = rows
+                for at, owners in by_position:  # a client's chunks in order; no client twice in one add
+                    sums[i].index_add_(0, owners, full if len(at) == len(group) else full.index_select(0, at))
     divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums) if s is not None)
+
+
+def _chunk_groups(real: np.ndarray, batch_size: int, partial_groups: int = 4) -> list[tuple[np.ndarray, int]]:
+    """The chunks of a FOOF pass (``real``: each chunk's rows, clients' chunks
+    in order) as groups of equal width, in the order they are added: first
+    every full chunk (``batch_size`` rows), in chunk order; then every
+    client's last, partial chunk, sorted by rows and cut into at most
+    ``partial_groups`` groups of about equal count, each padded only to its
+    own widest (a power-law cohort's partial chunks, 40 to 127 rows in
+    chunks of 128, would waste a third of a pass padded to 128). A client's
+    partial chunk is its last, so its chunks are still added in order."""
+    full = np.flatnonzero(real == batch_size)
+    groups = [(full, batch_size)] if len(full) else []
+    partial = np.flatnonzero(real < batch_size)
+    partial = partial[np.argsort(real[partial], kind="stable")]
+    for part in np.array_split(partial, min(partial_groups, len(partial))) if len(partial) else []:
+        groups.append((part, int(real[part].max())))
+    return groups
 
 
 # ------------------------------------------------- weight matrix views
@@ -329,11 +346,20 @@ def pack_upper_stacked(a: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_upper_stacked(values: torch.Tensor, d: int) -> torch.Tensor:
-    """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``: ``[C, d, d]``."""
-    flat_index, mask = _upper_triangle(d, values.device)
-    upper = values.new_zeros(values.shape[0], d * d).scatter_(
-        1, flat_index.expand(values.shape[0], -1), values).view(-1, d, d)
-    return torch.where(mask, upper, upper.mT)
+    """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``:
+    ``[C, d, d]``, one gather (each entry ``(i, j)`` reads the packed value
+    of ``(min(i, j), max(i, j))``)."""
+    return values.index_select(1, _symmetric_gather(d, values.device)).view(-1, d, d)
+
+
+@lru_cache(maxsize=32)
+def _symmetric_gather(d: int, device: torch.device) -> torch.Tensor:
+    """For each entry of a ``d x d`` matrix, row by row, the position in its
+    packed upper triangle of ``(min(i, j), max(i, j))``."""
+    i, j = torch.meshgrid(torch.arange(d, device=device), torch.arange(d, device=device), indexing="ij")
+    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
+    # row lo of the packed triangle starts after lo rows of d, d - 1, ... values
+    return (lo * d - lo * (lo - 1) // 2 + (hi - lo)).reshape(-1)
 
 
 def triangle_side(count: int) -> int:

@@ -75,6 +75,15 @@ def group_matrices(group: Sequence[Mapping[str, np.ndarray]], keys: list[str], r
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
+def in_order_sum(total: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """``total + rows[0] + rows[1] + ...`` added one row at a time, in order
+    (``rows[0] + rows[1] + ...`` without ``total``), as one ``cumsum``: on a
+    CPU it adds the rows of a float64 stack one after another, so the sum is
+    a loop's to the bit (``tests/test_fedpm.py``)."""
+    stack = rows if total is None else torch.cat([total.unsqueeze(0), rows])
+    return torch.cumsum(stack, dim=0)[-1]
+
+
 def preconditioner_layout(model: Sequence[tuple[str, tuple[int, ...]]], full: bool) -> list[tuple[str, tuple[int]]]:
     """The packed preconditioners a FedPM client uploads for a model of
     ``model``'s keys and shapes: one upper triangle ``(d (d + 1) / 2,)``
@@ -136,15 +145,14 @@ def preconditioned_mix(
         for begin in range(0, len(clients), group):
             part = clients[begin:begin + group]
             packed = _t(np.stack([np.asarray(pre[layer]).reshape(-1) for _, pre, _ in part]))
-            m = foof.unpack_upper_stacked(packed, d) + eye  # [G, d, d]
+            m = foof.unpack_upper_stacked(packed, d).add_(eye)  # [G, d, d]
             scale = torch.tensor(weights[begin:begin + group], dtype=torch.float64)[:, None, None]
-            scaled_m = scale * m  # p * m_i, elementwise
             w = group_matrices([arrays for arrays, _, _ in part], keys, rows)  # [G, rows, cols]
             r = torch.stack([m_i @ w_i.reshape(-1) if full else w_i @ m_i for w_i, m_i in zip(w, m)])
-            scaled_r = scale[:, :, 0] * r if full else scale * r
-            for i in range(len(part)):
-                m_sum = scaled_m[i] if m_sum is None else m_sum + scaled_m[i]
-                r_sum = scaled_r[i] if r_sum is None else r_sum + scaled_r[i]
+            scaled_m = m.mul_(scale)  # p * m_i, elementwise (m is not read again)
+            scaled_r = r.mul_(scale[:, :, 0] if full else scale)
+            m_sum = in_order_sum(m_sum, scaled_m)
+            r_sum = in_order_sum(r_sum, scaled_r)
         factor, info = torch.linalg.cholesky_ex(m_sum)
         if int(info) != 0:
             raise ValueError(f"layer {layer}: mixed preconditioner is not positive definite; "
