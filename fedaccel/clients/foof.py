@@ -185,10 +185,13 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             # position at a time: each index_add_ adds at most one chunk to a client,
             # so its sums come in chunk order on any device (all of a client's
             # chunks in one index_add_ would be summed in no fixed order on a GPU)
-            by_position = []
-            for k in np.unique(position[group]):
-                at = np.flatnonzero(position[group] == k)
-                by_position.append((torch.from_numpy(at).to(device), group_owner[torch.from_numpy(at).to(device)]))
+            if len(np.unique(owner[group])) == len(group):  # no client twice (the last chunks): one add
+                by_position = [(None, group_owner)]
+            else:
+                by_position = []
+                for k in np.unique(position[group]):
+                    at = torch.from_numpy(np.flatnonzero(position[group] == k)).to(device)
+                    by_position.append((at, group_owner[at]))
             x = x_all.index_select(0, torch.from_numpy(row_index.reshape(-1)).to(device)).to(dtype)
             p = {k: v.index_select(0, group_owner) for k, v in weights.items()}
             inputs = layer_inputs(p, x.view((len(group), width) + x_all.shape[1:]))
@@ -206,7 +209,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
                 full[:, d, :d] = full[:, :d, d]
                 full[:, d, d] = rows
                 for at, owners in by_position:  # a client's chunks in order; no client twice in one add
-                    sums[i].index_add_(0, owners, full if len(at) == len(group) else full.index_select(0, at))
+                    sums[i].index_add_(0, owners, full if at is None or len(at) == len(group) else full.index_select(0, at))
     divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums) if s is not None)
 

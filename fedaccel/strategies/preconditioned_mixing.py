@@ -77,11 +77,13 @@ def group_matrices(group: Sequence[Mapping[str, np.ndarray]], keys: list[str], r
 
 def in_order_sum(total: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
     """``total + rows[0] + rows[1] + ...`` added one row at a time, in order
-    (``rows[0] + rows[1] + ...`` without ``total``), as one ``cumsum``: on a
-    CPU it adds the rows of a float64 stack one after another, so the sum is
-    a loop's to the bit (``tests/test_fedpm.py``)."""
-    stack = rows if total is None else torch.cat([total.unsqueeze(0), rows])
-    return torch.cumsum(stack, dim=0)[-1]
+    (``rows[0] + rows[1] + ...`` without ``total``), into one accumulator:
+    the client-by-client sums to the bit, on any dtype and device, without
+    a new tensor per client."""
+    acc = rows[0].clone() if total is None else total + rows[0]
+    for row in rows[1:]:
+        acc.add_(row)
+    return acc
 
 
 def preconditioner_layout(model: Sequence[tuple[str, tuple[int, ...]]], full: bool) -> list[tuple[str, tuple[int]]]:
