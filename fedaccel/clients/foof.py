@@ -351,8 +351,18 @@ def pack_upper_stacked(a: torch.Tensor) -> torch.Tensor:
 def unpack_upper_stacked(values: torch.Tensor, d: int) -> torch.Tensor:
     """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``:
     ``[C, d, d]``, one gather (each entry ``(i, j)`` reads the packed value
-    of ``(min(i, j), max(i, j))``)."""
+    of ``(min(i, j), max(i, j))``) up to ``d = GATHER_MAX_SIDE``; a larger
+    matrix (the exact mode's Hessians) is scattered and mirrored, so that
+    no ``d x d`` index is kept."""
+    if d > GATHER_MAX_SIDE:
+        flat_index, mask = _upper_triangle(d, values.device)
+        upper = values.new_zeros(values.shape[0], d * d).scatter_(
+            1, flat_index.expand(values.shape[0], -1), values).view(-1, d, d)
+        return torch.where(mask, upper, upper.mT)
     return values.index_select(1, _symmetric_gather(d, values.device)).view(-1, d, d)
+
+
+GATHER_MAX_SIDE = 2048  # its cached index: 32 MiB
 
 
 @lru_cache(maxsize=32)
