@@ -680,10 +680,8 @@ def test_a_foof_pass_pads_each_group_of_last_chunks_to_its_own_widest():
     assert slots - counts.sum() < 0.5 * (len(real) * batch - counts.sum())
 
 
-@pytest.mark.parametrize("gather_max", [2048, 3])  # by the cached gather, or scattered and mirrored
 @pytest.mark.parametrize("d", [1, 2, 5, 62])
-def test_unpacking_a_stack_of_upper_triangles_is_unpack_upper_of_each(monkeypatch, d, gather_max):
-    monkeypatch.setattr(foof, "GATHER_MAX_SIDE", gather_max)
+def test_unpacking_a_stack_of_upper_triangles_is_unpack_upper_of_each(d):
     rng = np.random.default_rng(d)
     a = torch.from_numpy(rng.standard_normal((3, d, d)))
     a = a + a.mT

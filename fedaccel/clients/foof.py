@@ -175,9 +175,9 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
     for chunks, width in _chunk_groups(real, batch_size):
         per_chunk = width * (int(x_all[0].numel()) + 2 * sum(dims)) * size + fixed
         step = max(1, max_bytes // per_chunk)
+        slot = np.arange(width)
         for begin in range(0, len(chunks), step):
             group = chunks[begin:begin + step]
-            slot = np.arange(width)
             valid = slot < real[group][:, None]  # [K, width]
             row_index = np.where(valid, first_row[group][:, None] + slot, x_all.shape[0] - 1)
             group_owner = torch.from_numpy(owner[group]).to(device)
@@ -349,30 +349,11 @@ def pack_upper_stacked(a: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_upper_stacked(values: torch.Tensor, d: int) -> torch.Tensor:
-    """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``:
-    ``[C, d, d]``, one gather (each entry ``(i, j)`` reads the packed value
-    of ``(min(i, j), max(i, j))``) up to ``d = GATHER_MAX_SIDE``; a larger
-    matrix (the exact mode's Hessians) is scattered and mirrored, so that
-    no ``d x d`` index is kept."""
-    if d > GATHER_MAX_SIDE:
-        flat_index, mask = _upper_triangle(d, values.device)
-        upper = values.new_zeros(values.shape[0], d * d).scatter_(
-            1, flat_index.expand(values.shape[0], -1), values).view(-1, d, d)
-        return torch.where(mask, upper, upper.mT)
-    return values.index_select(1, _symmetric_gather(d, values.device)).view(-1, d, d)
-
-
-GATHER_MAX_SIDE = 2048  # its cached index: 32 MiB
-
-
-@lru_cache(maxsize=32)
-def _symmetric_gather(d: int, device: torch.device) -> torch.Tensor:
-    """For each entry of a ``d x d`` matrix, row by row, the position in its
-    packed upper triangle of ``(min(i, j), max(i, j))``."""
-    i, j = torch.meshgrid(torch.arange(d, device=device), torch.arange(d, device=device), indexing="ij")
-    lo, hi = torch.minimum(i, j), torch.maximum(i, j)
-    # row lo of the packed triangle starts after lo rows of d, d - 1, ... values
-    return (lo * d - lo * (lo - 1) // 2 + (hi - lo)).reshape(-1)
+    """:func:`unpack_upper` of every row of ``values`` ``[C, d (d + 1) / 2]``: ``[C, d, d]``."""
+    flat_index, mask = _upper_triangle(d, values.device)
+    upper = values.new_zeros(values.shape[0], d * d).scatter_(
+        1, flat_index.expand(values.shape[0], -1), values).view(-1, d, d)
+    return torch.where(mask, upper, upper.mT)
 
 
 def triangle_side(count: int) -> int:
