@@ -98,6 +98,25 @@ def test_the_server_will_not_send_an_undeclared_record() -> None:
         strategy.configure_train(1, weights, ConfigRecord(), StubGrid([10, 11]))
 
 
+
+@pytest.mark.parametrize("algo", ["scaffold", "fedavg"])
+def test_every_client_s_own_config_is_checked_before_it_is_sent(algo) -> None:
+    """A per-client config value (here one the contract does not declare,
+    in the second client's message only) is checked in that client's message too, not only
+    in the first message of the round (messages are checked once per shape)."""
+    spec, cfg = _run(algo, **{"straggler-fraction": 0.5} if algo == "fedavg" else {})
+    strategy = spec.build_strategy(cfg, Federation({0: 10, 1: 11}))
+    own, calls = type(strategy)._client_updates, []
+
+    def updates(partition, log_):  # the second client's message only, whichever comes second
+        calls.append(partition)
+        return {**own(strategy, partition, log_), **({"secret": 1} if len(calls) == 2 else {})}
+
+    strategy._client_updates = updates
+    weights = ArrayRecord({"w": Array(np.zeros(2, dtype=np.float32))})
+    with pytest.raises(ContractError, match=f"{algo}: the training message's config carries 'secret'"):
+        strategy.configure_train(1, weights, ConfigRecord(), StubGrid([10, 11]))
+
 def test_a_scaffold_client_without_the_control_variate_replies_with_an_error() -> None:
     """Through the real ClientApp: an error reply naming node, algorithm and key."""
     from flwr.app import Context

@@ -279,18 +279,17 @@ class FedAccelStrategy:
         self._sent_dtypes = {key: array.dtype for key, array in arrays.items()}
         messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
         extra = self.broadcast_records(server_round)
-        if extra:
-            messages = [_with_records(m, extra) for m in messages]
-        if log_.stragglers or self.stateful:
-            pid = self.federation.partition_of_node
-            messages = [_with_config(m, updates) if (updates := self._client_updates(pid[m.metadata.dst_node_id],
-                                                                                     log_)) else m
-                        for m in messages]
-        checked: set[int] = set()  # FedAvg's messages share one content: checked once
-        for m in messages:
-            if id(m.content) not in checked:
-                self._check_outgoing(m)
-                checked.add(id(m.content))
+        per_client = bool(log_.stragglers or self.stateful)
+        pid = self.federation.partition_of_node
+        checked: set[tuple[int, tuple[str, ...]]] = set()  # (shared content, config keys added): checked once
+        for i, m in enumerate(messages):
+            updates = self._client_updates(pid[m.metadata.dst_node_id], log_) if per_client else {}
+            shape = (id(m.content), tuple(updates))
+            if extra or updates:  # FedAvg's messages share one content: this client's own, built once
+                messages[i] = _with_content(m, extra, updates)
+            if shape not in checked:  # the messages of one shape carry the same records and config keys
+                self._check_outgoing(messages[i])
+                checked.add(shape)
         log_.bytes_down += messages_bytes(messages)
         return messages
 
@@ -546,22 +545,18 @@ def messages_bytes(messages: Iterable[Message]) -> int:
     return total
 
 
-def _with_config(message: Message, updates: dict[str, Any]) -> Message:
-    """A copy of a training message whose ConfigRecord has ``updates`` applied.
+def _with_content(message: Message, records: dict[str, ArrayRecord], updates: dict[str, Any]) -> Message:
+    """A copy of a training message with the extra ``records`` added (arrays
+    shared, not copied) and its ConfigRecord's values ``updates`` applied,
+    built as one new message.
 
     Flower's FedAvg gives every message the same RecordDict object, so a
-    per-client value needs a new RecordDict (the arrays are shared, not copied).
+    per-client value needs a new RecordDict.
     """
-    content = message.content
-    records = {k: v for k, v in content.items() if k != "config"}
-    # content["config"], not content.config_records[...]: that builds a synced
-    # view of every record (about 25 us a message)
-    records["config"] = config_record({**dict(content["config"]), **updates})
-    return Message(record_dict(records), message.metadata.dst_node_id, message.metadata.message_type)
-
-
-def _with_records(message: Message, records: dict[str, ArrayRecord]) -> Message:
-    """A copy of a training message with extra records added (arrays shared)."""
     content = dict(message.content.items())
     content.update(records)
+    if updates:
+        # content["config"], not content.config_records[...]: that builds a synced
+        # view of every record (about 25 us a message)
+        content["config"] = config_record({**dict(content["config"]), **updates})
     return Message(record_dict(content), message.metadata.dst_node_id, message.metadata.message_type)
