@@ -9,7 +9,7 @@ torch, Flower and NumPy and building a run, about 200,000 of them, 56 ms a
 collection on the 2-core machine the benchmarks ran on. On the fast runner
 at 100 clients per round (MLP 60-32-10, 30 rounds, no local steps) the
 collector's callbacks added up to 0.28 s for the full collections and 0.10
-s for the younger ones, about a seventh of the run (``docs/cohort-batching.md``).
+s for the younger ones, about a seventh of the run (``docs/cohort-batching-measurements.md``).
 
 :func:`quiet_collector` is the standard answer (``gc.freeze``): objects
 that exist when the rounds start (modules, the dataset, the model) move to

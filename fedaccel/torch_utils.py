@@ -22,7 +22,7 @@ def select_device(name: str, tf32: bool = False) -> torch.device:
     is IEEE float32 for both, so that a float32 run means the same on a GPU as
     on a CPU: on an H200, one batched round of the McMahan CNN differed from
     the same round client by client by up to 1.6e-3 with cuDNN's TF32 and
-    7.3e-5 without (docs/cohort-batching.md, "Measured on a GPU")."""
+    7.3e-5 without (docs/cohort-batching-measurements.md, "Measured on a GPU")."""
     if name == "cuda" and not torch.cuda.is_available():
         raise config_error("device", name, "no CUDA device is visible here; use 'auto' or 'cpu'")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)

@@ -109,7 +109,7 @@ def slower_reason(model: torch.nn.Module) -> str | None:
     convolution over the clients; on a CPU that is slower than the clients'
     own convolutions one after another (the McMahan CNN on Fashion-MNIST,
     10 clients per round: 5.38 s against 4.08 s per round for a bare loop,
-    docs/cohort-batching.md). On a GPU it is the other way round."""
+    docs/cohort-batching-measurements.md). On a GPU it is the other way round."""
     device = next(model.parameters()).device
     if device.type == "cpu" and own_batched(model, "batched_forward") is None:
         return ("on a CPU this model's batched convolutions (vmap) are slower than training its "
