@@ -505,6 +505,16 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return rec
 
 
+def paired_ratios(bare_runs: list[float], runs: list[float]) -> str:
+    """``bare_i / run_i`` for each repetition ``i`` (the runs of one repetition
+    follow one another), and their median: ``"9.1x, 10.4x, 10.8x (median
+    10.4x)"``; ``"-"`` without as many bare runs as runs."""
+    if len(bare_runs) != len(runs) or not runs:
+        return "-"
+    ratios = [b / r for b, r in zip(bare_runs, runs)]
+    return f"{', '.join(f'{x:.1f}x' for x in ratios)} (median {statistics.median(ratios):.1f}x)"
+
+
 def load(out: Path) -> list[dict[str, Any]]:
     path = out / "results.jsonl"
     if not path.is_file():
@@ -558,15 +568,20 @@ def write_table(out: Path) -> None:
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
             + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
-        repeated += [(label, a, k, m, row[m]["run_medians"]) for m in MODES
+        bare_runs = row["bare"].get("run_medians", ()) if row["bare"] else ()
+        repeated += [(label, a, k, m, row[m]["run_medians"], bare_runs) for m in MODES
                      if row[m] and len(row[m].get("run_medians", ())) > 1]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
-                  "order run, and the slowest over the fastest.", "",
-                  "| workload | algo | per round | mode | runs s/round | slowest / fastest |", "|---|---|---:|---|---|---:|"]
-        for label, a, k, m, runs in repeated:
+                  "order run, the slowest over the fastest, and how many times faster than the bare loop "
+                  "each run was against the bare run of the same repetition (the runs of a repetition "
+                  "follow one another, so a machine that slows down for a while slows both), with the "
+                  "median of those ratios.", "",
+                  "| workload | algo | per round | mode | runs s/round | slowest / fastest | "
+                  "bare / this, run by run |", "|---|---|---:|---|---|---:|---|"]
+        for label, a, k, m, runs, bare_runs in repeated:
             lines.append(f"| {label} | {a} | {k} | {m} | {', '.join(f'{x:.3f}' for x in runs)} | "
-                         f"{max(runs) / min(runs):.2f} |")
+                         f"{max(runs) / min(runs):.2f} | {paired_ratios(bare_runs, runs) if m != 'bare' else '-'} |")
     evals = {r["workload"]: r["eval_s"] for r in recs if r["mode"] == "bare" and r.get("eval_s")}
     if evals:
         lines += ["", "One evaluation of the global model on the server test set (bare loop, batches of 1,000): "

@@ -113,6 +113,27 @@ def test_the_table_shows_each_runs_median_of_a_repeated_cell(tmp_path):
     overhead.write_table(tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert combined["median_round_s"] == 0.131
-    assert "| mlp-synthetic | fedpm | 100 | cohort | 0.135, 0.101, 0.131 | 1.34 |" in table
+    # the bare loop measured once: no run-by-run ratios
+    assert "| mlp-synthetic | fedpm | 100 | cohort | 0.135, 0.101, 0.131 | 1.34 | - |" in table
     assert "| bare |" not in table.split("Each run of the cells")[1]  # measured once: no spread row
     assert "no-longer-measured" not in table
+
+
+def test_the_table_gives_each_repetition_s_ratio_to_the_bare_run_beside_it(tmp_path):
+    """With ``--repeat`` the runs of one repetition follow one another: each
+    cohort run is compared with the bare run of its own repetition (0.70 /
+    0.070 = 10x, 0.50 / 0.100 = 5x, 0.90 / 0.075 = 12x), not with the bare
+    loop's median of medians."""
+    import json
+
+    overhead = _overhead()
+    base = {"workload": "mlp-synthetic", "algo": "scaffold", "clients": 100, "per_round": 100, "rounds": 20,
+            "device": "cpu", "startup_s": 3.0, "peak_rss_mb": 400.0, "round_seconds": [], "wall_s": 1.0}
+    bare = overhead.combine_runs([dict(base, mode="bare", median_round_s=s) for s in (0.70, 0.50, 0.90)])
+    cohort = overhead.combine_runs([dict(base, mode="cohort", median_round_s=s) for s in (0.070, 0.100, 0.075)])
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (bare, cohort)) + "\n")
+    overhead.write_table(tmp_path)
+    spread = (tmp_path / "table.md").read_text().split("Each run of the cells")[1]
+    assert "| scaffold | 100 | cohort | 0.070, 0.100, 0.075 | 1.43 | 10.0x, 5.0x, 12.0x (median 10.0x) |" in spread
+    assert "| scaffold | 100 | bare | 0.700, 0.500, 0.900 | 1.80 | - |" in spread
+    assert overhead.paired_ratios([0.7, 0.5], [0.07]) == "-"  # not one bare run per run
