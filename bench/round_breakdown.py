@@ -1,0 +1,125 @@
+"""Where a batched round of the fast runner goes, piece by piece, timed.
+
+Runs ``fedaccel-run`` in this process with a wall-clock timer around each
+piece of a round (the strategy's ``configure_train`` and ``aggregate_train``,
+the cohort handler ``train_cohort`` and its batched steps ``train_stacked``,
+each client's ``open_round``, ``close_round`` and reply message) and prints,
+per piece, its milliseconds per round over the rounds after the third
+(the first ones pay for imports and first calls) and how often it ran::
+
+    python bench/round_breakdown.py scaffold          # 100 clients, all of them every round
+    python bench/round_breakdown.py fedavg --rounds 60 --clients 100 --per-round 100
+
+The pieces nest (``train_cohort`` holds ``train_stacked`` and the
+per-client pieces), so they do not add up to the round. The timers cost
+about a microsecond a call; ``bench/overhead.py --profile`` gives cProfile's
+view instead (inflated by the profiler), ``--modes no-steps`` the round
+without its steps. Written by hand: a profiler samples or instruments
+every call, this times only the pieces named here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SKIPPED_ROUNDS = 3  # the first rounds pay for imports and first calls
+
+
+def timed_pieces() -> list[tuple[Any, str, str]]:
+    """``(owner, attribute, label)`` of every timed piece."""
+    import fedaccel.apps.client_app as client_app
+    import fedaccel.clients.base as solver_base
+    import fedaccel.clients.cohort as cohort
+    import fedaccel.strategies.base as strategy_base
+
+    return [
+        (strategy_base.FedAccelStrategy, "configure_train", "server: the round's messages (configure_train)"),
+        (strategy_base.FedAccelStrategy, "aggregate_train", "server: reply checks, means, steps (aggregate_train)"),
+        (client_app, "train_cohort", "clients: the whole batched round (train_cohort)"),
+        (cohort, "train_stacked", "clients: the batched steps (train_stacked)"),
+        (solver_base.LocalSolver, "open_round", "clients: each one's open_round"),
+        (solver_base.LocalSolver, "close_round", "clients: each one's close_round"),
+        (client_app, "_train_reply", "clients: each one's reply message"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("algo")
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--per-round", type=int, default=100)
+    p.add_argument("--results-dir", default=None, help="where the run's files go (default: a temporary folder)")
+    args = p.parse_args(argv)
+    if args.rounds <= SKIPPED_ROUNDS + 1:
+        p.error(f"--rounds must be more than {SKIPPED_ROUNDS + 1}: the first {SKIPPED_ROUNDS} are not counted")
+
+    import fedaccel.experiment as experiment
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    total: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+
+    def timer(original: Callable, label: str) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                total[label] += time.perf_counter() - start
+                calls[label] += 1
+        return timed
+
+    pieces = timed_pieces()
+    originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+                 for owner, name, _ in pieces]
+    ends: list[float] = []
+    on_round_end = experiment.Experiment.on_round_end
+
+    def round_end(*a: Any, **k: Any) -> Any:
+        ends.append(time.perf_counter())
+        if len(ends) == SKIPPED_ROUNDS:  # count from here
+            total.clear()
+            calls.clear()
+        return on_round_end(*a, **k)
+
+    scratch = tempfile.TemporaryDirectory(prefix="fedaccel-round-breakdown-")
+    cfg = fuse(default_run_config(), {
+        "algo": args.algo, "num-server-rounds": args.rounds, "clients-per-round": args.per_round,
+        "local-epochs": 1, "cohort-batching": "on", "eval-every": args.rounds, "accl-every": 0, "clip-norm": 0,
+        "results-dir": args.results_dir or scratch.name})
+    try:  # the timers are in place for this run only
+        for (owner, name, label), (_, _, original) in zip(pieces, originals):
+            setattr(owner, name, timer(original, label))
+        experiment.Experiment.on_round_end = round_end
+        run_local(cfg, args.clients, quiet=True)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+        experiment.Experiment.on_round_end = on_round_end
+        scratch.cleanup()
+    counted = len(ends) - SKIPPED_ROUNDS
+    rounds = [b - a for a, b in zip(ends[SKIPPED_ROUNDS - 1:], ends[SKIPPED_ROUNDS:])]
+    print(f"# {args.algo}: {args.per_round} of {args.clients} clients a round, batched, the last {counted} "
+          f"rounds: {1e3 * statistics.median(rounds):.1f} ms a round (median; mean "
+          f"{1e3 * statistics.mean(rounds):.1f} ms, the last round's evaluation included)")
+    print("| piece | ms per round | calls per round |")
+    print("|---|---:|---:|")
+    for _, _, label in pieces:
+        print(f"| {label} | {1e3 * total[label] / counted:.2f} | {calls[label] / counted:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

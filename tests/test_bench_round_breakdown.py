@@ -1,0 +1,26 @@
+"""bench/round_breakdown.py times the pieces of a batched round and leaves
+nothing patched behind."""
+
+from __future__ import annotations
+
+from fakes import bench_script
+
+
+def test_it_times_each_piece_of_every_counted_round_and_restores_them(capsys):
+    import fedaccel.experiment as experiment
+
+    breakdown = bench_script("round_breakdown")
+    before = [(owner, name, getattr(owner, name)) for owner, name, _ in breakdown.timed_pieces()]
+    round_end = experiment.Experiment.on_round_end
+    assert breakdown.main(["scaffold", "--rounds", "6", "--clients", "6", "--per-round", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "# scaffold: 4 of 6 clients a round, batched, the last 4 rounds:" in out
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.splitlines()
+            if line.startswith("| ") and "piece" not in line}
+    assert len(rows) == len(before)
+    for label, (ms, calls) in rows.items():
+        expected = 4.0 if "each one's" in label else 1.0  # once a round, or once per client
+        assert float(calls.strip(" |")) == expected, (label, calls)
+        assert float(ms) > 0, label
+    assert all(getattr(owner, name) is original for owner, name, original in before)
+    assert experiment.Experiment.on_round_end is round_end
