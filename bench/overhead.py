@@ -505,6 +505,16 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return rec
 
 
+def same_invocation_runs(bare: dict[str, Any] | None, other: dict[str, Any]) -> list[float]:
+    """The bare loop's run medians when its cell was measured in the same
+    invocation as ``other`` (the two records carry the same ``invocation``),
+    else none: a cell's latest record can come from another day than the
+    bare loop's, and its runs are then no repetitions of the same ones."""
+    if not bare or bare.get("invocation") is None or bare.get("invocation") != other.get("invocation"):
+        return []
+    return list(bare.get("run_medians", ()))
+
+
 def paired_ratios(bare_runs: list[float], runs: list[float]) -> str:
     """``bare_i / run_i`` for each repetition ``i`` (the runs of one repetition
     follow one another), and their median: ``"9.1x, 10.4x, 10.8x (median
@@ -568,15 +578,15 @@ def write_table(out: Path) -> None:
             + " | ".join(ratio(m) for m in MODES[1:]) + " | "
             + " / ".join(f(m, "startup_s", "{:.1f}") for m in MODES) + " | "
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
-        bare_runs = row["bare"].get("run_medians", ()) if row["bare"] else ()
-        repeated += [(label, a, k, m, row[m]["run_medians"], bare_runs) for m in MODES
-                     if row[m] and len(row[m].get("run_medians", ())) > 1]
+        repeated += [(label, a, k, m, row[m]["run_medians"], same_invocation_runs(row["bare"], row[m]))
+                     for m in MODES if row[m] and len(row[m].get("run_medians", ())) > 1]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
-                  "order run, the slowest over the fastest, and how many times faster than the bare loop "
-                  "each run was against the bare run of the same repetition (the runs of a repetition "
-                  "follow one another, so a machine that slows down for a while slows both), with the "
-                  "median of those ratios.", "",
+                  "order run, the slowest over the fastest, and, for a cell measured in the same invocation "
+                  "as the bare loop, how many times faster than the bare loop each run was against the bare "
+                  "run of the same repetition (measured just before it, with only the repetition's other "
+                  "modes in between, so a machine that slows down for a while slows both), with the median "
+                  "of those ratios.", "",
                   "| workload | algo | per round | mode | runs s/round | slowest / fastest | "
                   "bare / this, run by run |", "|---|---|---:|---|---|---:|---|"]
         for label, a, k, m, runs, bare_runs in repeated:
@@ -598,6 +608,7 @@ def write_table(out: Path) -> None:
 
 
 def main(argv=None) -> int:
+    invocation = f"{time.strftime('%F %T')} pid {os.getpid()}"  # this invocation's records share it
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", choices=["run", "table"], default="run")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
@@ -668,6 +679,7 @@ def main(argv=None) -> int:
                 for mode, recs in runs.items():
                     rec = combine_runs(recs)
                     rec["scale"] = args.scale
+                    rec["invocation"] = invocation  # the table pairs repetitions within one invocation only
                     with open(args.out / "results.jsonl", "a") as f:
                         f.write(json.dumps(rec) + "\n")
     write_table(args.out)

@@ -123,7 +123,8 @@ def test_the_table_gives_each_repetition_s_ratio_to_the_bare_run_beside_it(tmp_p
     """With ``--repeat`` the runs of one repetition follow one another: each
     cohort run is compared with the bare run of its own repetition (0.70 /
     0.070 = 10x, 0.50 / 0.100 = 5x, 0.90 / 0.075 = 12x), not with the bare
-    loop's median of medians."""
+    loop's median of medians; a cell whose latest record comes from another
+    invocation than the bare loop's is not paired."""
     import json
 
     overhead = _overhead()
@@ -131,9 +132,14 @@ def test_the_table_gives_each_repetition_s_ratio_to_the_bare_run_beside_it(tmp_p
             "device": "cpu", "startup_s": 3.0, "peak_rss_mb": 400.0, "round_seconds": [], "wall_s": 1.0}
     bare = overhead.combine_runs([dict(base, mode="bare", median_round_s=s) for s in (0.70, 0.50, 0.90)])
     cohort = overhead.combine_runs([dict(base, mode="cohort", median_round_s=s) for s in (0.070, 0.100, 0.075)])
-    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (bare, cohort)) + "\n")
+    fast = overhead.combine_runs([dict(base, mode="fast", median_round_s=s) for s in (0.8, 0.6, 0.9)])
+    for rec, invocation in ((bare, "today"), (cohort, "today"), (fast, "another day")):
+        rec["invocation"] = invocation
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in (bare, cohort, fast)) + "\n")
     overhead.write_table(tmp_path)
     spread = (tmp_path / "table.md").read_text().split("Each run of the cells")[1]
     assert "| scaffold | 100 | cohort | 0.070, 0.100, 0.075 | 1.43 | 10.0x, 5.0x, 12.0x (median 10.0x) |" in spread
     assert "| scaffold | 100 | bare | 0.700, 0.500, 0.900 | 1.80 | - |" in spread
+    # measured in another invocation than the bare loop: its runs are no repetitions of the bare loop's
+    assert "| scaffold | 100 | fast | 0.800, 0.600, 0.900 | 1.50 | - |" in spread
     assert overhead.paired_ratios([0.7, 0.5], [0.07]) == "-"  # not one bare run per run

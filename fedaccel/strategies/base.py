@@ -280,7 +280,7 @@ class FedAccelStrategy:
         messages = list(super().configure_train(server_round, arrays, config, view))  # type: ignore[misc]
         extra = self.broadcast_records(server_round)
         per_client = bool(log_.stragglers or self.stateful)
-        pid = self.federation.partition_of_node
+        pid = self.federation.partition_of_node if per_client else {}  # built over all partitions: only when used
         checked: set[tuple[int, tuple[str, ...]]] = set()  # (shared content, config keys added): checked once
         for i, m in enumerate(messages):
             updates = self._client_updates(pid[m.metadata.dst_node_id], log_) if per_client else {}
