@@ -1,7 +1,8 @@
 """Where a batched round of the fast runner goes, piece by piece, timed.
 
-Runs ``fedaccel-run`` in this process with a wall-clock timer around each
-piece of a round (the strategy's ``configure_train`` and ``aggregate_train``,
+Runs the fast runner in this process, on the run ``bench/overhead.py``
+times as its ``cohort`` mode (the Synthetic MLP, one local epoch), with a
+wall-clock timer around each piece of a round (the strategy's ``configure_train`` and ``aggregate_train``,
 the cohort handler ``train_cohort`` and its batched steps ``train_stacked``,
 each client's ``open_round``, ``close_round`` and reply message) and prints,
 per piece, its mean milliseconds per round from round 3 on (round 0's
@@ -31,8 +32,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
+for folder in (ROOT, BENCH):  # fedaccel, and overhead.py's run config beside this script
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 # Experiment.on_round_end runs after round 0's evaluation and after every
 # round: its 3rd call ends round 2, from which the pieces are counted (the
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rounds must be at least {SKIPPED_ROUNDS}: rounds 1 and 2 are not counted")
 
     import fedaccel.experiment as experiment
+    from fedaccel.config import ConfigError
     from fedaccel.local_run import default_run_config, fuse, run_local
+    from overhead import overrides
 
     total: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter[str] = collections.Counter()
@@ -99,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         return on_round_end(*a, **k)
 
     scratch = tempfile.TemporaryDirectory(prefix="fedaccel-round-breakdown-")
-    cfg = fuse(default_run_config(), {
-        "algo": args.algo, "num-server-rounds": args.rounds, "clients-per-round": args.per_round,
-        "local-epochs": 1, "cohort-batching": "on", "eval-every": args.rounds, "accl-every": 0, "clip-norm": 0,
-        "results-dir": args.results_dir or scratch.name})
+    # the run bench/overhead.py times as its `cohort` mode on the Synthetic MLP
+    cfg = fuse(default_run_config(), overrides(
+        "mlp-synthetic", args.algo, args.rounds, args.clients, Path(args.results_dir or scratch.name),
+        f"breakdown-{args.algo}", args.per_round, "cohort"))
     try:  # the timers are in place for this run only
         for (owner, name, label), (_, _, original) in zip(pieces, originals):
             setattr(owner, name, timer(original, label))
         experiment.Experiment.on_round_end = round_end
         run_local(cfg, args.clients, quiet=True)
+    except ConfigError as err:  # an unknown algorithm, a run that cannot be batched: one line
+        p.error(str(err))
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)

@@ -44,3 +44,17 @@ def test_a_run_that_fails_leaves_nothing_patched(monkeypatch):
         breakdown.main(["fedavg", "--rounds", "3", "--clients", "2", "--per-round", "2"])
     assert all(getattr(owner, name) is original for owner, name, original in before)
     assert experiment.Experiment.on_round_end is round_end
+
+
+def test_an_unknown_algorithm_is_one_line_through_the_real_command():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "round_breakdown.py"
+    proc = subprocess.run([sys.executable, str(script), "nope", "--rounds", "3"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "round_breakdown.py: error: invalid run config: algo='nope': allowed: fedacg,"), proc.stderr
