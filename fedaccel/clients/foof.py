@@ -187,7 +187,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
             # chunks in one index_add_ would be summed in no fixed order on a GPU)
             if len(np.unique(owner[group])) == len(group):  # no client twice (the last chunks): one add
                 by_position = [(None, group_owner)]
-            else:
+            else:  # two positions at least (a client has one chunk at each), so none holds all the group
                 by_position = []
                 for k in np.unique(position[group]):
                     at = torch.from_numpy(np.flatnonzero(position[group] == k)).to(device)
@@ -209,7 +209,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
                 full[:, d, :d] = full[:, :d, d]
                 full[:, d, d] = rows
                 for at, owners in by_position:  # a client's chunks in order; no client twice in one add
-                    sums[i].index_add_(0, owners, full if at is None or len(at) == len(group) else full.index_select(0, at))
+                    sums[i].index_add_(0, owners, full if at is None else full.index_select(0, at))
     divisor = torch.from_numpy(counts).to(device=device, dtype=torch.float64)[:, None, None]
     return OrderedDict((name, s.div_(divisor)) for name, s in zip(layers, sums) if s is not None)
 
