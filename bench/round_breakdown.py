@@ -11,6 +11,13 @@ left out) and how often it ran::
 
     python bench/round_breakdown.py scaffold          # 100 clients, all of them every round
     python bench/round_breakdown.py fedavg --rounds 60 --clients 100 --per-round 100
+    python bench/round_breakdown.py fedpm --also fedaccel.clients.foof:stacked_foof \
+        fedaccel.clients.fedpm:FedPMSolver.gradient_transform
+
+``--also MODULE:NAME`` (or ``MODULE:CLASS.METHOD``) times one more piece:
+a function is timed where it is looked up as the module's attribute (a
+caller that imported it by name keeps the untimed one), a method on that
+class and its subclasses.
 
 The pieces nest (``train_cohort`` holds ``train_stacked`` and the
 per-client pieces), so they do not add up to the round. The timers cost
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import statistics
 import sys
 import tempfile
@@ -61,13 +69,41 @@ def timed_pieces() -> list[tuple[Any, str, str]]:
     ]
 
 
+def extra_piece(spec: str) -> tuple[Any, str, str]:
+    """``(owner, attribute, label)`` of ``--also``'s ``MODULE:NAME`` or
+    ``MODULE:CLASS.METHOD``; ValueError with the reason when it names no
+    function or method."""
+    import importlib
+
+    module_name, _, path = spec.partition(":")
+    if not module_name or not path or path.count(".") > 1:
+        raise ValueError(f"--also {spec}: expected MODULE:FUNCTION or MODULE:CLASS.METHOD")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--also {spec}: cannot import {module_name} ({err})") from None
+    *klass, name = path.split(".")
+    if klass:
+        owner = getattr(owner, klass[0], None)
+        if not isinstance(owner, type):
+            raise ValueError(f"--also {spec}: {module_name} has no class {klass[0]}")
+    if not callable(getattr(owner, name, None)):
+        raise ValueError(f"--also {spec}: {path} is not a function or method of {module_name}")
+    if isinstance(owner, type) and isinstance(inspect.getattr_static(owner, name), (staticmethod, classmethod)):
+        raise ValueError(f"--also {spec}: static and class methods are not timed; name a function or method")
+    return owner, name, spec
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="round_breakdown.py", description=__doc__.split("\n\n")[0])
     p.add_argument("algo")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--per-round", type=int, default=100)
     p.add_argument("--results-dir", default=None, help="where the run's files go (default: a temporary folder)")
+    p.add_argument("--also", nargs="+", default=[], metavar="MODULE:NAME",
+                   help="more pieces to time: a function (fedaccel.clients.foof:stacked_foof) "
+                        "or a method (fedaccel.clients.fedpm:FedPMSolver.gradient_transform)")
     args = p.parse_args(argv)
     if args.rounds < SKIPPED_ROUNDS:
         p.error(f"--rounds must be at least {SKIPPED_ROUNDS}: rounds 1 and 2 are not counted")
@@ -90,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
                 calls[label] += 1
         return timed
 
-    pieces = timed_pieces()
-    originals = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+    try:
+        pieces = timed_pieces() + [extra_piece(spec) for spec in args.also]
+    except ValueError as err:
+        p.error(str(err))
+    if len({(id(owner), name) for owner, name, _ in pieces}) < len(pieces):
+        p.error("--also: a piece is named twice")
+    # (owner, name, what it held itself: None for a method it inherits, removed again afterwards)
+    originals = [(owner, name, (owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)))
                  for owner, name, _ in pieces]
     ends: list[float] = []
     on_round_end = experiment.Experiment.on_round_end
@@ -109,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         "mlp-synthetic", args.algo, args.rounds, args.clients, Path(args.results_dir or scratch.name),
         f"breakdown-{args.algo}", args.per_round, "cohort"))
     try:  # the timers are in place for this run only
-        for (owner, name, label), (_, _, original) in zip(pieces, originals):
-            setattr(owner, name, timer(original, label))
+        for owner, name, label in pieces:
+            setattr(owner, name, timer(getattr(owner, name), label))
         experiment.Experiment.on_round_end = round_end
         run_local(cfg, args.clients, quiet=True)
     except ConfigError as err:  # an unknown algorithm, a run that cannot be batched: one line
         p.error(str(err))
     finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+        for owner, name, original in reversed(originals):
+            if original is None:  # an inherited method: the class holds none of its own again
+                if name in owner.__dict__:
+                    delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         experiment.Experiment.on_round_end = on_round_end
         scratch.cleanup()
     counted = len(ends) - SKIPPED_ROUNDS
