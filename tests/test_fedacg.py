@@ -95,7 +95,7 @@ def test_two_rounds_by_hand_weighted():
 
 
 def test_two_rounds_by_hand_uniform_weighting():
-    """weighting='uniform' (authors' code): r1 mean (7/3, 4/3) = m1 = theta1 - theta0 + ...
+    """weighting='uniform' (authors' code): r1 mean (7/3, 4/3) = theta1; m1 = Delta1.
 
     r1: Delta1 = (7/3, 1/3); theta1 = (7/3, 4/3).
     r2: sent theta1 + 0.5 m1 = (3.5, 1.5); mean (4/3, 1); Delta2 = (-13/6, -0.5);

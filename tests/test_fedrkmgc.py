@@ -181,15 +181,15 @@ def rec(v):
     return ArrayRecord({"w": Array(np.asarray(v, dtype=np.float32))})
 
 
-def one_round(strategy, x, models, counts):
-    msgs = list(strategy.configure_train(1, rec(x), ConfigRecord(), StubGrid(NODES.values())))
+def one_round(strategy, x, models, counts, server_round=1):
+    msgs = list(strategy.configure_train(server_round, rec(x), ConfigRecord(), StubGrid(NODES.values())))
     for i, m in enumerate(msgs):
-        m.metadata.__dict__["_message_id"] = f"m{i}"
+        m.metadata.__dict__["_message_id"] = f"r{server_round}-m{i}"
     by_node = {m.metadata.dst_node_id: m for m in msgs}
     replies = [Message(RecordDict({"arrays": rec(models[p]),
                                    "metrics": MetricRecord({"num-examples": counts[p], "train-loss": 1.0})}),
                        reply_to=by_node[NODES[p]]) for p in range(3)]
-    arrays, _ = strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(server_round, replies)
     return arrays["w"].numpy()
 
 
@@ -225,6 +225,20 @@ def test_fedrkmgc_server_unweighted_mean_then_relaxation_by_hand():
     np.testing.assert_allclose(one_round(build(rho=1.5), X, MODELS, COUNTS), [2.5, 2.0], atol=1e-6)
     # a variant without relaxation uses rho = 1 whatever fedrkmgc.rho says
     np.testing.assert_allclose(one_round(build(rho=1.5, variant="fast-km"), X, MODELS, COUNTS), [2.0, 2.0], atol=1e-6)
+
+
+def test_round_two_relaxes_against_the_model_it_broadcast_the_relaxed_one():
+    """Algorithm 1's theta^{t+1} = (1 - rho) theta^t + rho mean_i theta_i: theta^t
+    is the model broadcast in round t, i.e. round t-1's relaxed result, not
+    its plain mean. rho = 1.5; round 1 from [1, 2]: mean [2, 2] -> [2.5, 2].
+    Round 2 from [2.5, 2], clients [[1, 0], [4, 3], [4, 0]]: mean [3, 1] ->
+    -0.5 [2.5, 2] + 1.5 [3, 1] = [3.25, 0.5] (against round 1's mean [2, 2]
+    it would be [3.5, 0.5])."""
+    strategy = build(rho=1.5)
+    first = one_round(strategy, X, MODELS, COUNTS)
+    np.testing.assert_allclose(first, [2.5, 2.0], atol=1e-6)
+    second = one_round(strategy, first.tolist(), [[1.0, 0.0], [4.0, 3.0], [4.0, 0.0]], COUNTS, server_round=2)
+    np.testing.assert_allclose(second, [3.25, 0.5], atol=1e-6)
 
 
 def test_rho_beyond_two_is_run_as_the_papers_figure_5_does():
