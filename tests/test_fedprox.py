@@ -126,3 +126,20 @@ def test_fedprox_messages_carry_configured_mu():
     strategy = build("fedprox", **{"fedprox.mu": 0.5})
     for m in configure(strategy, 1, arrays(w=[0.0])):
         assert m.content["config"]["proximal-mu"] == 0.5
+
+
+def test_auto_straggler_policy_keeps_stragglers_partial_work():
+    """FedProx (Li et al. 2020) aggregates the partial work of stragglers
+    where FedAvg drops it: 'auto' means 'partial' for fedprox,
+    'drop' still for fedavg; an explicit 'drop' is kept."""
+    from fedaccel.local_run import default_run_config
+    from fedaccel.run_config import parse_run_config
+
+    def policy(algo, value):
+        cfg = default_run_config()
+        cfg.update({"algo": algo, "straggler-policy": value, "straggler-fraction": 0.5})
+        return parse_run_config(cfg).straggler_policy
+
+    assert policy("fedprox", "auto") == "partial"
+    assert policy("fedavg", "auto") == "drop"
+    assert policy("fedprox", "drop") == "drop"

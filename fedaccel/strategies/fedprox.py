@@ -45,7 +45,13 @@ def build(cfg: RunConfig, federation: Federation) -> FedProxStrategy:
     return FedProxStrategy(run_cfg=cfg, federation=federation, proximal_mu=cfg.algo_params.mu)
 
 
+# straggler-policy='auto' keeps stragglers' partial work: FedProx is built
+# for it (Li et al., "Federated Optimization in Heterogeneous Networks",
+# MLSys 2020, arXiv:1812.06127: variable amounts of local work per device,
+# each a gamma-inexact solution of its local problem; its experiments run
+# FedProx on the stragglers' partial updates where FedAvg drops them)
 ALGORITHM = AlgorithmSpec(
     name="fedprox", build_strategy=build, solver=FedProxSolver, params=FedProxParams,
     summary="FedProx: local SGD with a proximal pull to the global model",
+    default_straggler_policy="partial",
 )
