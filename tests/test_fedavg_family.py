@@ -54,6 +54,21 @@ def test_fedavg_weighted_mean():
     assert strategy.rounds[1].train_loss == pytest.approx(2.25)
 
 
+def test_fedavgm_without_momentum_is_a_server_lr_step_by_hand():
+    """beta = 0, eta = 0.5: x <- x - 0.5 (x - mean), no velocity kept.
+    x = [0, 1], mean (weights 1, 1, 2) = [2.75, 0.5] -> [1.375, 0.75]; the
+    next round starts again from its own pseudo-gradient: x = [1.375, 0.75],
+    mean [1.0, 1.25] -> [1.1875, 1.0]."""
+    strategy = build("fedavgm", **{"fedavgm.server-lr": 0.5, "fedavgm.server-momentum": 0.0})
+    counts = [1, 1, 2]
+    out1, _ = train_round(strategy, 1, {"w": np.array([0.0, 1.0])},
+                          [{"w": [1.0, 2.0]}, {"w": [2.0, 4.0]}, {"w": [4.0, -2.0]}], counts)
+    np.testing.assert_allclose(out1["w"].numpy(), [1.375, 0.75], rtol=1e-7)
+    out2, _ = train_round(strategy, 2, to_np(out1), [{"w": [1.0, 1.0]}, {"w": [3.0, 1.0]}, {"w": [0.0, 1.5]}],
+                          counts)
+    np.testing.assert_allclose(out2["w"].numpy(), [1.1875, 1.0], rtol=1e-7)
+
+
 def test_fedavgm_two_rounds_by_hand():
     strategy = build("fedavgm", **{"fedavgm.server-lr": 1.0, "fedavgm.server-momentum": 0.5})
     assert strategy.params.server_momentum == 0.5 and strategy.params.server_lr == 1.0
