@@ -13,6 +13,12 @@ applied). After a round with replying clients ``S`` out of ``N``:
 
 (the code's ``cld_mdl_param = avg_mdl_param_sel + np.mean(parameter_drifts,
 axis=0)``; unweighted, as there). Client: :class:`fedaccel.clients.scaffold.FedDCSolver`.
+
+The paper describes the server averaging the clients' drift-corrected
+models ``theta_i + h_i``. With every client in every round that is the rule
+above; with a cohort ``S`` the code adds the mean drift of all ``N``
+clients (``H / N``) to the mean of the replies, where a mean over ``S`` of
+``theta_i + h_i`` would add only the cohort's. We follow the authors' released code.
 """
 
 from __future__ import annotations
