@@ -205,6 +205,95 @@ def test_one_local_step_is_the_centralized_damped_foof_step(identical):
         np.testing.assert_allclose(mixed[key], value, rtol=1e-10, atol=1e-12)
 
 
+def make_cnn() -> nn.Module:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Conv2d(2, 3, kernel_size=2), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)).double()
+
+
+def patches(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """Every ``kh x kw`` patch of ``x`` [N, C, H, W] (stride 1, no padding) as
+    a row in the order of ``weight.reshape(out, -1)`` (C, then kh, then kw),
+    by an explicit loop over samples and positions."""
+    n, _, h, w = x.shape
+    return torch.stack([x[i, :, r:r + kh, c:c + kw].reshape(-1)
+                        for i in range(n) for r in range(h - kh + 1) for c in range(w - kw + 1)])
+
+
+def centralized_conv_foof_step(model, shards, lr, wd, damping):
+    """Independent reference for a conv layer and a linear one: A_i from
+    explicit patches (the conv) and the flattened activations (the linear
+    layer), the gradients by autograd through ``F.conv2d``, then
+    W~ - lr (sum p_i G~_i)(sum p_i (A_i + damping I))^-1 per layer, the conv's
+    W~ its weight as ``[out, C kh kw]`` with the bias column."""
+    n = sum(len(y) for _, y in shards)
+    wc, bc, wl, bl = (p.detach().clone().requires_grad_(True) for p in model.parameters())
+    g_sum, m_sum = [0, 0], [0, 0]
+    for x, y in shards:
+        p = len(y) / n
+        h = torch.relu(F.conv2d(x, wc, bc)).flatten(1)
+        loss = F.cross_entropy(h @ wl.T + bl, y)
+        grads = torch.autograd.grad(loss, (wc, bc, wl, bl))
+        inputs = (patches(x, 2, 2), h.detach())
+        for k, (inp, w, b, gw, gb) in enumerate(((inputs[0], wc, bc, grads[0], grads[1]),
+                                                  (inputs[1], wl, bl, grads[2], grads[3]))):
+            it = torch.cat([inp, torch.ones(len(inp), 1, dtype=x.dtype)], 1)
+            a = it.T @ it / len(inp)  # the conv: the mean over every patch of every sample
+            g = torch.cat([(gw + wd * w.detach()).reshape(len(gb), -1), (gb + wd * b.detach())[:, None]], 1)
+            g_sum[k] = g_sum[k] + p * g
+            m_sum[k] = m_sum[k] + p * (a + damping * torch.eye(a.shape[0], dtype=a.dtype))
+    out = {}
+    for k, (w, b, name) in enumerate(((wc, bc, "0"), (wl, bl, "3"))):
+        wt = torch.cat([w.detach().reshape(len(b), -1), b.detach()[:, None]], 1)
+        new = wt - lr * g_sum[k] @ torch.linalg.inv(m_sum[k])
+        out[f"{name}.weight"], out[f"{name}.bias"] = new[:, :-1].reshape(w.shape).numpy(), new[:, -1].numpy()
+    return out
+
+
+def test_one_local_step_of_a_cnn_is_the_centralized_damped_foof_step():
+    """The conv layer's FOOF step and its mixing: its gradient and A in
+    ``weight.reshape(out, -1)``'s column order, its mixed ``[out, C kh kw]``
+    matrix reshaped back to the 4-D weight (two clients of unequal size)."""
+    lr, wd, damping = 0.5, 0.01, 0.3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(14, 2, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (14,), generator=g)
+    shards = [(x[:5], y[:5]), (x[5:], y[5:])]
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 64, "momentum": 0.0, "weight-decay": wd,
+                                   "fedpm.damping": damping, "fedpm.upload": "used", "clip-norm": 0})
+    model = make_cnn()
+    start = flat(model)
+    clients = [client_round(FedPMSolver(cfg), model, start, xs, ys, lr) for xs, ys in shards]
+    mixed = preconditioned_mix(clients, damping)
+    expected = centralized_conv_foof_step(make_cnn(), shards, lr, wd, damping)
+    assert mixed["0.weight"].shape == (3, 2, 2, 2)
+    for key, value in expected.items():
+        np.testing.assert_allclose(mixed[key], value, rtol=1e-10, atol=1e-12)
+
+
+def test_foof_samples_draws_a_seeded_random_subset_of_the_rows():
+    """``fedpm.foof-samples = k``: the round's A is formed from the rows
+    ``randperm(n)[:k]`` of the client's generator (its first draw of the
+    round), not from the first k rows: the upload equals the mean of
+    ``[a; 1][a; 1]^T`` over those rows, by hand (a logistic regression,
+    whose one layer's input is the data)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (40,), generator=g)
+    cfg = run_cfg(algo="fedpm", **{"batch-size": 8, "fedpm.foof-samples": 6, "fedpm.upload": "used"})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3)).double()
+    _, packed, _ = client_round(FedPMSolver(cfg), model, flat(model), x, y, lr=0.1)
+    got = foof.unpack_upper(torch.from_numpy(packed["0"]))
+
+    def by_hand(rows):
+        it = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype)], 1)
+        return it.T @ it / len(rows)
+
+    chosen = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:6]
+    torch.testing.assert_close(got, by_hand(x[chosen]), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, by_hand(x[:6]))
+
+
 def test_localnewton_uploads_nothing_extra_and_refresh_changes_the_steps():
     cfg = run_cfg(algo="localnewton", **{"batch-size": 4, "localnewton.refresh-every": 1})
     x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
