@@ -155,6 +155,9 @@ class Experiment:
         resolved = cfg.to_dict()
         resolved["resolved"].update({
             "model": model_name(cfg),
+            # with the model's name, what rebuilds it (fedaccel.runtime.load_final_model)
+            "input-shape": [int(d) for d in dataset.input_shape],
+            "num-classes": int(dataset.num_classes),
             "num-clients": federation.num_clients,
             "cohort-size": self.strategy.cohort_size,
             "partition-sizes": dataset.partition_sizes(),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedaccel.data import DataConfig, FederatedDataset, load_federated
@@ -71,3 +74,30 @@ def optimum_of(cfg: RunConfig, dataset: FederatedDataset | Any) -> Optimum:
         raise config_error(*cfg.optimum_setting, "needs the run's whole training data in this process; a "
                            "SuperNode with its own data-path holds only its own: use the fast runner (fedaccel-run)")
     return optimum_for(dataset.config, cfg.weight_decay, dataset.num_classes)
+
+
+def load_final_model(run_dir: str | Path) -> torch.nn.Module:
+    """The final global model of a finished run: the model its
+    ``config.json`` names (``resolved``'s ``model``, ``input-shape`` and
+    ``num-classes``, in the run's ``precision``) with ``final_model.npz``
+    loaded into it, on the CPU and in eval mode. A folder without those
+    files or keys raises ``FileNotFoundError`` / ``ValueError`` saying
+    what is missing."""
+    run_dir = Path(run_dir)
+    config_path, weights_path = run_dir / "config.json", run_dir / "final_model.npz"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no config.json (not a fedaccel run folder)")
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no final_model.npz (the run did not finish; its status.json says why)")
+    config = json.loads(config_path.read_text())
+    resolved = config.get("resolved") if isinstance(config.get("resolved"), dict) else {}
+    missing = [key for key in ("model", "input-shape", "num-classes") if key not in resolved]
+    if missing:
+        raise ValueError(f"{config_path}: resolved lacks {', '.join(missing)} (a run written before they were "
+                         "recorded): build the model with fedaccel.models.build_model(name, input_shape, "
+                         "num_classes) and load final_model.npz into it")
+    model = build_model(resolved["model"], resolved["input-shape"], int(resolved["num-classes"]))
+    model = model.to(TORCH_DTYPES[config.get("precision", "float32")])
+    with np.load(weights_path) as weights:
+        model.load_state_dict({key: torch.from_numpy(weights[key]) for key in weights.files})
+    return model.eval()
