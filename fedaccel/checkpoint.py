@@ -57,7 +57,7 @@ from flwr.common import serde
 from flwr.proto.recorddict_pb2 import ArrayRecord as ProtoArrayRecord, RecordDict as ProtoRecordDict
 
 from fedaccel.clients.state import durable_replace
-from fedaccel.config import config_literal
+from fedaccel.config import config_error, config_literal
 from fedaccel.errors import CheckpointError
 
 FORMAT = 1
@@ -217,7 +217,8 @@ def find_checkpoint(where: str | Path) -> Path:
     if where.is_file():
         return where
     if not where.is_dir():
-        raise CheckpointError(f"resume={str(where)!r}: no such run folder or checkpoint file")
+        # a path that is not there is a wrong command (exit 2), not a damaged run (3)
+        raise config_error("resume", str(where), "no such run folder or checkpoint file")
     found = list_checkpoints(where)
     if not found:
         raise CheckpointError(

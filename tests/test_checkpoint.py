@@ -246,7 +246,7 @@ def test_resume_refuses_a_changed_config_and_a_run_without_checkpoints(tmp_path,
     code, err = cli(capsys, "--resume", str(tmp_path / "empty"))
     assert code == 3 and err.count("\n") == 1 and "the run has no checkpoint" in err
     code, err = cli(capsys, "--resume", str(tmp_path / "nowhere"))
-    assert code == 3 and "no such run folder or checkpoint file" in err
+    assert code == 2 and err.count("\n") == 1 and "no such run folder or checkpoint file" in err
 
 
 def test_a_resume_key_with_another_config_is_refused(checkpointed_run):
