@@ -505,14 +505,19 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return rec
 
 
+def same_invocation(bare: dict[str, Any] | None, other: dict[str, Any]) -> bool:
+    """Whether two records were measured by one invocation of this script
+    (both carry the same ``invocation``): only then is their ratio a
+    comparison on one machine at one time."""
+    return bool(bare) and bare.get("invocation") is not None and bare.get("invocation") == other.get("invocation")
+
+
 def same_invocation_runs(bare: dict[str, Any] | None, other: dict[str, Any]) -> list[float]:
     """The bare loop's run medians when its cell was measured in the same
     invocation as ``other`` (the two records carry the same ``invocation``),
     else none: a cell's latest record can come from another day than the
     bare loop's, and its runs are then no repetitions of the same ones."""
-    if not bare or bare.get("invocation") is None or bare.get("invocation") != other.get("invocation"):
-        return []
-    return list(bare.get("run_medians", ()))
+    return list(bare.get("run_medians", ())) if same_invocation(bare, other) else []
 
 
 def paired_ratios(bare_runs: list[float], runs: list[float]) -> str:
@@ -569,8 +574,10 @@ def write_table(out: Path) -> None:
             return fmt.format(row[m][key]) if row[m] else "-"
 
         def ratio(m: str) -> str:
-            return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" \
-                if row[m] and row["bare"] else "-"
+            if not (row[m] and row["bare"]):
+                return "-"
+            mixed = m != "bare" and not same_invocation(row["bare"], row[m])  # see the note below the table
+            return f"{row[m]['median_round_s'] / row['bare']['median_round_s']:.2f}x" + ("*" if mixed else "")
         label = w + (f" ({d})" if d != "cpu" else "") + (f", {n:,} clients" if n != 100 else "") + (
             ", under cProfile" if any(r and r.get("profiled") for r in row.values()) else "")
         lines.append(
@@ -580,6 +587,11 @@ def write_table(out: Path) -> None:
             + " / ".join(f(m, "peak_rss_mb", "{:.0f}") for m in MODES) + " |")
         repeated += [(label, a, k, m, row[m]["run_medians"], same_invocation_runs(row["bare"], row[m]))
                      for m in MODES if row[m] and len(row[m].get("run_medians", ())) > 1]
+    if any(line.count("x*") for line in lines):
+        lines += ["", "\\* The cell and the bare loop of this row come from different invocations of this script "
+                  "(or from records made before invocations were recorded): their ratio compares runs made at "
+                  "different times, possibly on different machines (each record's `when` and `environment` "
+                  "say which). Run both modes in one invocation for a ratio that means something."]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
                   "order run, the slowest over the fastest, and, for a cell measured in the same invocation "

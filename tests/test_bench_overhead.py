@@ -143,3 +143,30 @@ def test_the_table_gives_each_repetition_s_ratio_to_the_bare_run_beside_it(tmp_p
     # measured in another invocation than the bare loop: its runs are no repetitions of the bare loop's
     assert "| scaffold | 100 | fast | 0.800, 0.600, 0.900 | 1.50 | - |" in spread
     assert overhead.paired_ratios([0.7, 0.5], [0.07]) == "-"  # not one bare run per run
+
+
+def test_a_ratio_between_two_invocations_is_marked_in_the_main_table(tmp_path):
+    """The main table pairs each mode's latest record with the bare loop's:
+    a cohort cell measured in the bare loop's invocation gives a plain ratio,
+    one from another invocation (another time, maybe another machine) or
+    without an invocation id is marked and explained under the table."""
+    import json
+
+    overhead = _overhead()
+    base = {"workload": "mlp-synthetic", "algo": "fedpm", "clients": 100, "per_round": 100, "rounds": 20,
+            "device": "cpu", "startup_s": 3.0, "peak_rss_mb": 400.0, "round_seconds": [], "wall_s": 1.0}
+    records = [dict(base, mode="bare", median_round_s=0.6, invocation="today"),
+               dict(base, mode="cohort", median_round_s=0.06, invocation="today"),
+               dict(base, mode="fast", median_round_s=0.75, invocation="another day"),
+               dict(base, mode="no-steps", median_round_s=0.03)]  # a record from before the ids
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    overhead.write_table(tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| mlp-synthetic | fedpm |"))
+    assert "| 1.25x* | 0.10x | - | - | 0.05x* |" in row
+    assert "\\* The cell and the bare loop of this row come from different invocations" in table
+    records[2]["invocation"] = records[3]["invocation"] = "today"
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    overhead.write_table(tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "x*" not in table and "different invocations" not in table
