@@ -3,7 +3,7 @@
 Command line::
 
     fedaccel-compare RUN_DIR [RUN_DIR ...] [--out DIR] [--target ACC]
-                     [--label-key KEY] [--group-seeds]
+                     [--label-key KEY] [--group-seeds] [--include-unfinished]
 
 (also ``python -m fedaccel.compare ...``).  Writes into ``--out`` (default
 ``results/compare``):
@@ -17,16 +17,27 @@ Command line::
     "-" where a value is missing.
 
 All statistics are recomputed from each run's ``metrics.jsonl`` with
-:func:`fedaccel.results.summarize`, so runs that crashed before writing
-``summary.json`` can still be compared.  The target is each run's own
+:func:`fedaccel.results.summarize`.  The target is each run's own
 ``target_accuracy`` (from ``summary.json``, else the run config's
 ``target-accuracy``) unless ``--target`` overrides it for all runs.
+
+Only finished runs are compared: a run is finished when it wrote
+``summary.json`` and its ``status.json`` (if it has one) says ``finished``.
+A failed, stopped, interrupted or still running run is left out, with one
+line saying which run, its state and the round it reached.  With
+``--include-unfinished`` such runs are listed, marked in the run column and
+the plot legend (``run-x [failed, round 5 of 60]``) and their "final" cell
+(``59.55 (unfinished)``); they never enter a group over seeds.
 
 ``--group-seeds`` groups runs whose configs are identical apart from
 ``seed``, ``run-name`` and ``results-dir`` and reports, per group, the mean
 +- sample standard deviation (ddof=1; 0 for a single seed) of final / best /
 mean-of-last-20 accuracy and total MB, and the mean rounds to target over the
-seeds that reached it together with how many did ("k/n").
+seeds that reached it together with how many did ("k/n").  Each seed counts
+once: where several runs of a group share a seed (the same run from the fast
+runner and from ``flwr run``, say), the first one given is kept and the
+others are set aside, one line each naming them; they still appear in the
+per-run table.
 
 Errors (missing directory, missing/malformed files, a run with no metrics)
 print one line ``fedaccel-compare: error: ...`` on stderr and give exit code 2.
@@ -43,17 +54,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedaccel.results import (
+    SUMMARY_FILE,
     _check_accuracy,
     _new_figure,
     _num,
     _style_axes,
     cumulative_mb,
     load_run,
+    load_status,
     summarize,
 )
 
-__all__ = ["main", "compare_runs", "load_runs", "group_by_seed", "assign_run_labels", "runs_table",
-           "groups_table", "target_note", "RunInfo", "SEED_KEYS"]
+__all__ = ["main", "compare_runs", "load_runs", "run_state_of", "group_by_seed", "grouping_notes",
+           "unfinished_note", "assign_run_labels", "runs_table", "groups_table", "target_note", "RunInfo",
+           "SEED_KEYS"]
 
 #: Config keys ignored when deciding whether runs differ only by seed.
 SEED_KEYS = frozenset({"seed", "run-name", "results-dir", "run_name", "results_dir",
@@ -76,10 +90,31 @@ class RunInfo:
     rows: list[dict]
     summary: dict
     label: str = ""
+    #: ``finished``, or how the run stands: ``failed``, ``stopped``,
+    #: ``running``, ``interrupted``, ``unfinished`` (no summary, no status)
+    state: str = "finished"
+    #: planned rounds, when the run says (status.json or num-server-rounds)
+    num_rounds: int | None = None
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "finished"
+
+    @property
+    def progress(self) -> str:
+        """``"failed, round 5 of 60"``: the state and the last round recorded."""
+        done = self.rows[-1].get("round") if self.rows else 0
+        of = f" of {self.num_rounds}" if self.num_rounds else ""
+        return f"{self.state}, round {done}{of}"
+
+    @property
+    def marked_name(self) -> str:
+        """The run's name, with ``[failed, round 5 of 60]`` when unfinished."""
+        return self.name if self.finished else f"{self.name} [{self.progress}]"
 
     @property
     def algo(self) -> str:
@@ -93,6 +128,9 @@ class Group:
     runs: list[RunInfo]
     label: str = ""
     seeds: list[Any] = field(default_factory=list)
+    #: runs set aside because an earlier run of the group has their seed:
+    #: (the run set aside, the run kept)
+    duplicates: list[tuple[RunInfo, RunInfo]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- #
@@ -104,10 +142,32 @@ def _run_target(config: dict, summary: dict) -> float | None:
     return _num(config.get("target-accuracy", config.get("target_accuracy")))
 
 
+def run_state_of(path: Path, config: dict) -> tuple[str, int | None]:
+    """``(state, planned rounds)`` of a run folder.  ``finished`` needs
+    ``summary.json`` and, when there is a ``status.json``, its ``finished``
+    (a run started again in an old folder keeps the old summary while it
+    runs); otherwise the state the dashboard shows (``failed``, ``stopped``,
+    ``running``, ``interrupted`` for a dead writer on this host), or
+    ``unfinished`` where nothing says more."""
+    from fedaccel.dashboard.runs import run_state  # the dashboard's reading of status.json
+
+    status = load_status(path)
+    total = _num((status or {}).get("num_rounds")) or _num(config.get("num-server-rounds"))
+    total = int(total) if total else None
+    has_summary = (path / SUMMARY_FILE).is_file()
+    if has_summary and (status is None or status.get("state") == "finished"):
+        return "finished", total
+    state = run_state(path, status)[0] if status is not None else "unfinished"
+    return (state if state not in ("finished", "unknown") else "unfinished"), total
+
+
 def load_runs(run_dirs: Sequence[str | Path], target: float | None = None) -> list[RunInfo]:
     """Load every run and recompute its summary.
 
-    ``target`` (a fraction) overrides each run's own target accuracy.
+    ``target`` (a fraction) overrides each run's own target accuracy.  Each
+    run's :attr:`RunInfo.state` says whether it finished (see
+    :func:`run_state_of`); unfinished runs are loaded too, it is up to the
+    caller to leave them out or mark them (:func:`compare_runs` does).
     Raises ``FileNotFoundError`` / ``ValueError`` naming the offending path,
     also for a run whose ``metrics.jsonl`` has no rows.
     """
@@ -120,7 +180,9 @@ def load_runs(run_dirs: Sequence[str | Path], target: float | None = None) -> li
         if not rows:
             raise ValueError(f"no metrics in {path / 'metrics.jsonl'} (run has no rounds)")
         tgt = target if target is not None else _run_target(config, summary)
-        runs.append(RunInfo(path=path, config=config, rows=rows, summary=summarize(rows, tgt)))
+        state, total = run_state_of(path, config)
+        runs.append(RunInfo(path=path, config=config, rows=rows, summary=summarize(rows, tgt),
+                            state=state, num_rounds=total))
     return runs
 
 
@@ -135,6 +197,8 @@ def assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
     bases = [_label_base(r.config, label_key) for r in runs]
     for r, base in zip(runs, bases):
         r.label = f"{base} ({r.name})" if bases.count(base) > 1 else base
+        if not r.finished:
+            r.label += f" [{r.progress}]"
 
 
 # What the seed draws, recorded in a run's resolved config: the partition
@@ -153,17 +217,29 @@ def _group_key(config: dict) -> str:
 
 
 def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Group]:
-    """Group runs whose configs are equal except for :data:`SEED_KEYS`.
+    """Group finished runs whose configs are equal except for :data:`SEED_KEYS`.
 
-    Groups keep the order of their first run.  Label = algo (or
-    ``config[label_key]``); where several groups would share a label, the
-    config keys that differ between them are appended (``"fedavg (lr=0.1)"``).
+    Unfinished runs (:attr:`RunInfo.finished` false) join no group.  Each
+    seed counts once: a run whose group already has a run with its seed is
+    set aside in :attr:`Group.duplicates` (:func:`grouping_notes` says so),
+    so the same seed run twice (fast runner and ``flwr run``) neither adds to
+    n nor fakes a spread of 0.  Groups keep the order of their first run.
+    Label = algo (or ``config[label_key]``); where several groups would share
+    a label, the config keys that differ between them are appended
+    (``"fedavg (lr=0.1)"``).
     """
     groups: dict[str, Group] = {}
     for r in runs:
+        if not r.finished:
+            continue
         g = groups.setdefault(_group_key(r.config), Group(runs=[]))
+        seed = r.config.get("seed")
+        kept = next((k for k, s in zip(g.runs, g.seeds) if _same_seed(s, seed)), None)
+        if kept is not None:
+            g.duplicates.append((r, kept))
+            continue
         g.runs.append(r)
-        g.seeds.append(r.config.get("seed"))
+        g.seeds.append(seed)
     out = list(groups.values())
     bases = [_label_base(g.runs[0].config, label_key) for g in out]
     for g, base in zip(out, bases):
@@ -178,6 +254,30 @@ def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Gro
         extra = ", ".join(f"{k}={cfg.get(k)}" for k in differing) or g.runs[0].name
         g.label = f"{base} ({extra})"
     return out
+
+
+def _same_seed(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def unfinished_note(run: RunInfo) -> str:
+    """The line that says an unfinished run was left out, and why."""
+    return (f"left out {run.path}: {run.progress}, not finished "
+            f"(--include-unfinished lists it, marked)")
+
+
+def grouping_notes(runs: list[RunInfo], groups: list[Group]) -> list[str]:
+    """One line per run that is in no group's statistics: a duplicate seed
+    (which run was kept) or an unfinished run."""
+    notes = [f"seed {_seed_str(kept)} counted once in group {g.label}: set aside {dup.path} "
+             f"(same seed and settings as {kept.path})"
+             for g in groups for dup, kept in g.duplicates]
+    notes += [f"not in any group: {r.path} ({r.progress})" for r in runs if not r.finished]
+    return notes
+
+
+def _seed_str(run: RunInfo) -> str:
+    return str(run.config.get("seed", "(none recorded)"))
 
 
 # --------------------------------------------------------------------------- #
@@ -217,10 +317,11 @@ def runs_table(runs: list[RunInfo]) -> tuple[list[str], list[list[str]]]:
     for r in runs:
         s = r.summary
         rtt = s["rounds_to_target"]
+        final = _pct(s["final_accg"])
         body.append([
-            r.name,
+            r.marked_name,
             r.algo,
-            _pct(s["final_accg"]),
+            final if r.finished else f"{final} (unfinished)",
             _pct(s["best_accg"]),
             _pct(s["mean_last_20_accg"]),
             "-" if rtt is None else str(rtt),
@@ -339,6 +440,7 @@ def compare_runs(
     target: float | None = None,
     label_key: str | None = None,
     group_seeds: bool = False,
+    include_unfinished: bool = False,
 ) -> str:
     """Write ``comparison.png`` and ``comparison.md`` into *out_dir*; return the Markdown.
 
@@ -347,6 +449,13 @@ def compare_runs(
     picks the config key used for legend labels instead of ``algo``.
     With ``group_seeds=True`` a per-group table (mean ± std over seeds) comes
     first, followed by the per-run table, and the plot shows group means.
+
+    Unfinished runs (failed, stopped, interrupted, running: see
+    :func:`run_state_of`) are left out, one line each in the Markdown's
+    notes, unless ``include_unfinished``: then they are listed, marked, and
+    still join no group.  Runs of a group that repeat a seed are set aside,
+    one line each (:func:`group_by_seed`).  ``ValueError`` when no finished
+    run is left and ``include_unfinished`` is false.
 
     Folders that are comparison outputs (*out_dir* itself, or any folder with
     ``comparison.md`` and no ``config.json``) are skipped, so
@@ -357,17 +466,31 @@ def compare_runs(
     out = Path(out_dir)
     run_dirs = [d for d in run_dirs if not _is_compare_output(Path(d), out)]
     runs = load_runs(run_dirs, target)
+    notes: list[str] = []
+    if not include_unfinished:
+        unfinished = [r for r in runs if not r.finished]
+        runs = [r for r in runs if r.finished]
+        if not runs:
+            raise ValueError("no finished run to compare: " + "; ".join(f"{r.path} ({r.progress})" for r in
+                             unfinished) + " (--include-unfinished lists them, marked)")
+        notes += [unfinished_note(r) for r in unfinished]
     assign_run_labels(runs, label_key)
     out.mkdir(parents=True, exist_ok=True)
 
     parts = ["# fedaccel comparison", ""]
     if group_seeds:
         groups = group_by_seed(runs, label_key)
+        notes += grouping_notes(runs, groups)
         parts += ["## Grouped over seeds (mean ± std)", "", _md_table(*groups_table(groups)), "", "## Runs", ""]
         _plot_groups(groups, out / PNG_NAME)
     else:
         _plot_runs(runs, out / PNG_NAME)
-    parts += [_md_table(*runs_table(runs)), "", target_note(runs, target), "", f"![comparison]({PNG_NAME})", ""]
+    parts += [_md_table(*runs_table(runs)), "", target_note(runs, target), ""]
+    if any(not r.finished for r in runs):
+        parts += ["Runs marked [state, round reached of planned] did not finish: their numbers are "
+                  "at the last round they recorded, not final.", ""]
+    parts += [f"Note: {n}." for n in notes] + ([""] if notes else [])
+    parts += [f"![comparison]({PNG_NAME})", ""]
     md = "\n".join(parts)
     (out / MD_NAME).write_text(md, encoding="utf-8")
     return md
@@ -387,7 +510,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-key", default=None, metavar="KEY",
                    help="config key used for legend labels (default: algo)")
     p.add_argument("--group-seeds", action="store_true",
-                   help="group runs that differ only in seed and report mean ± std over seeds")
+                   help="group runs that differ only in seed and report mean ± std over seeds "
+                        "(each seed counted once; runs repeating a seed are set aside and named)")
+    p.add_argument("--include-unfinished", action="store_true",
+                   help="also list failed, stopped, interrupted and running runs, marked with their "
+                        "state and the round they reached (default: left out, one line each)")
     return p
 
 
@@ -400,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code) if isinstance(e.code, int) else 2
     try:
         md = compare_runs(args.run_dirs, args.out, target=args.target,
-                          label_key=args.label_key, group_seeds=args.group_seeds)
+                          label_key=args.label_key, group_seeds=args.group_seeds,
+                          include_unfinished=args.include_unfinished)
     except (OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

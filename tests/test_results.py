@@ -354,3 +354,113 @@ def test_group_seeds_ignores_what_the_seed_draws(tmp_path):
             for seed, sizes, model in ((0, [3, 5], "mlp"), (1, [4, 6], "mlp"), (2, [4, 6], "logreg"))]
     groups = compare.group_by_seed(runs)
     assert [g.seeds for g in groups] == [[0, 1], [2]]
+
+
+def record_unfinished(run_dir, accs, num_rounds, config=None, state="failed"):
+    """A run that recorded ``accs`` and then ended early (``failed`` or
+    ``stopped``), or is still running (``state=None``: the recorder is returned open)."""
+    rec = RunRecorder(run_dir, {"algo": "fedavg", "seed": 0, "num-server-rounds": num_rounds, **(config or {})},
+                      target_accuracy=0.5, num_rounds=num_rounds, quiet=True)
+    for row in make_rows(accs):
+        rec.log_round(row)
+    if state is not None:
+        rec.fail("CUDA out of memory" if state == "failed" else "", state=state)
+    return rec
+
+
+def test_compare_leaves_out_a_failed_run_and_says_which(tmp_path, capsys):
+    """A run that failed at round 5 of 60 (no summary.json) is no final
+    result: left out with one line naming it, its state and round; with
+    --include-unfinished it is listed, marked in the table and the legend."""
+    done = tmp_path / "fedavg-done"
+    write_run(done, {"algo": "fedavg", "seed": 0}, [0.4, 0.6, 0.7])
+    bad = tmp_path / "fedavg-failed"
+    record_unfinished(bad, [0.3, 0.4, 0.5, 0.55, 0.5955], 60)
+    out = tmp_path / "cmp"
+
+    assert compare.main([str(done), str(bad), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "59.55" not in printed and "| fedavg-done | fedavg | 70.00 |" in printed
+    said = [line for line in printed.splitlines() if "fedavg-failed" in line]
+    assert len(said) == 1 and "failed, round 5 of 60" in said[0] and "left out" in said[0]
+    assert "fedavg-failed" not in (out / "comparison.md").read_text().split("Note:")[0]  # in no table
+
+    assert compare.main([str(done), str(bad), "--out", str(out), "--include-unfinished"]) == 0
+    md = (out / "comparison.md").read_text()
+    assert "| fedavg-failed [failed, round 5 of 60] | fedavg | 59.55 (unfinished) |" in md
+    assert "| fedavg-done | fedavg | 70.00 |" in md
+    runs = compare.load_runs([done, bad])
+    compare.assign_run_labels(runs, None)
+    assert [r.label for r in runs] == ["fedavg (fedavg-done)", "fedavg (fedavg-failed) [failed, round 5 of 60]"]
+
+    # nothing finished: exit 2, one line naming the run
+    capsys.readouterr()
+    assert compare.main([str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fedavg-failed (failed, round 5 of 60)" in err
+
+
+def test_compare_reads_every_unfinished_state(tmp_path):
+    """stopped, running (its writer alive), interrupted (its writer dead),
+    a run started again over an old summary.json, a run from before
+    status.json with or without its summary."""
+    from dashboard_helpers import dead_pid, set_status
+
+    record_unfinished(tmp_path / "stopped", [0.3, 0.4], 10, state="stopped")
+    live = record_unfinished(tmp_path / "running", [0.3], 10, state=None)
+    record_unfinished(tmp_path / "killed", [0.3, 0.4, 0.5], 10, state=None).close()
+    set_status(tmp_path / "killed", pid=dead_pid())
+    write_run(tmp_path / "again", {"algo": "fedavg", "seed": 0}, [0.5, 0.6])
+    again = record_unfinished(tmp_path / "again", [0.2], 5, state=None)  # the old summary.json stays
+    write_run(tmp_path / "old", {"algo": "fedavg", "seed": 0}, [0.5])
+    write_run(tmp_path / "old-crashed", {"algo": "fedavg", "seed": 0, "num-server-rounds": 4}, [0.5])
+    for name in ("old", "old-crashed"):
+        (tmp_path / name / "status.json").unlink()
+    (tmp_path / "old-crashed" / "summary.json").unlink()
+
+    names = ["stopped", "running", "killed", "again", "old", "old-crashed"]
+    runs = compare.load_runs([tmp_path / n for n in names])
+    assert [r.progress if not r.finished else "finished" for r in runs] == [
+        "stopped, round 2 of 10", "running, round 1 of 10", "interrupted, round 3 of 10",
+        "running, round 1 of 5", "finished", "unfinished, round 1 of 4"]
+    live.close()
+    again.close()
+
+
+def test_group_seeds_counts_a_repeated_seed_once(tmp_path, capsys):
+    """The same seed and settings run twice (the fast runner and `flwr run`)
+    is one seed: n stays 1 and no spread of 0 is made up; the run set aside
+    is named in one line, and still listed among the runs."""
+    fast, flower = tmp_path / "fedavg-s0-fast", tmp_path / "fedavg-s0-flower"
+    for d in (fast, flower):
+        write_run(d, {"algo": "fedavg", "seed": 0, "lr": 0.1, "run-name": d.name}, [0.5, 0.8723])
+    other = tmp_path / "fedavg-s1"
+    write_run(other, {"algo": "fedavg", "seed": 1, "lr": 0.1, "run-name": other.name}, [0.5, 0.8523])
+    runs = compare.load_runs([fast, flower])
+    groups = compare.group_by_seed(runs)
+    assert [g.seeds for g in groups] == [[0]] and groups[0].runs == [runs[0]]
+    assert [(d.name, k.name) for d, k in groups[0].duplicates] == [(flower.name, fast.name)]
+    assert compare.groups_table(groups)[1][0][2] == "1"  # seeds: not 2
+
+    out = tmp_path / "cmp"
+    assert compare.main([str(fast), str(flower), str(other), "--out", str(out), "--group-seeds"]) == 0
+    md = (out / "comparison.md").read_text()
+    assert md in capsys.readouterr().out
+    cells = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| fedavg |"))
+             .strip("|").split("|")]
+    assert cells[2:4] == ["2", "86.23 ± 1.41"]  # seeds 0 and 1, each once
+    said = [line for line in md.splitlines() if "fedavg-s0-flower" in line]
+    assert len(said) == 2  # its row among the runs, and the line that sets it aside
+    assert said[0].startswith("| fedavg-s0-flower |")
+    assert "set aside" in said[1] and "seed 0" in said[1] and "fedavg-s0-fast" in said[1]
+
+
+def test_group_seeds_leaves_unfinished_runs_out_of_the_groups(tmp_path):
+    done = tmp_path / "s0"
+    write_run(done, {"algo": "fedavg", "seed": 0, "num-server-rounds": 2}, [0.5, 0.8])
+    bad = tmp_path / "s1"
+    record_unfinished(bad, [0.3], 2, config={"seed": 1})
+    runs = compare.load_runs([done, bad])
+    groups = compare.group_by_seed(runs)
+    assert [g.seeds for g in groups] == [[0]]
+    assert compare.grouping_notes(runs, groups) == [f"not in any group: {bad} (failed, round 1 of 2)"]

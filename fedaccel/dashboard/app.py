@@ -25,7 +25,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from fedaccel.compare import assign_run_labels, group_by_seed, groups_table, load_runs, runs_table, target_note
+from fedaccel.compare import (assign_run_labels, group_by_seed, grouping_notes, groups_table, load_runs,
+                              runs_table, target_note)
 from fedaccel.dashboard import runs as runs_mod, studies as studies_mod
 from fedaccel.dashboard.flower_runs import flower_runs
 from fedaccel.dashboard.launcher import ENGINES, Launcher, flower_connections
@@ -225,8 +226,10 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
             return _error(str(err), 400)
         assign_run_labels(runs, None)
         out: dict[str, Any] = {"runs_table": runs_table(runs), "note": target_note(runs, None)}
-        if body.get("group_seeds"):
-            out["groups_table"] = groups_table(group_by_seed(runs))
+        if body.get("group_seeds"):  # each seed once, finished runs only: the lines say who is left out
+            groups = group_by_seed(runs)
+            out["groups_table"] = groups_table(groups)
+            out["note"] = " ".join([out["note"], *(f"{n}." for n in grouping_notes(runs, groups))])
         out["series"] = [{"id": i, "label": r.label, "rows": r.rows, "cumulative_mb": cumulative_mb(r.rows)}
                          for i, r in zip(ids, runs)]
         return JSONResponse(out)
