@@ -63,6 +63,7 @@ from fedaccel.results import (
     load_run,
     load_status,
     summarize,
+    writer_gone,
 )
 
 __all__ = ["main", "compare_runs", "load_runs", "run_state_of", "group_by_seed", "grouping_notes",
@@ -149,15 +150,15 @@ def run_state_of(path: Path, config: dict) -> tuple[str, int | None]:
     runs); otherwise the state the dashboard shows (``failed``, ``stopped``,
     ``running``, ``interrupted`` for a dead writer on this host), or
     ``unfinished`` where nothing says more."""
-    from fedaccel.dashboard.runs import run_state  # the dashboard's reading of status.json
-
     status = load_status(path)
     total = _num((status or {}).get("num_rounds")) or _num(config.get("num-server-rounds"))
     total = int(total) if total else None
     has_summary = (path / SUMMARY_FILE).is_file()
     if has_summary and (status is None or status.get("state") == "finished"):
         return "finished", total
-    state = run_state(path, status)[0] if status is not None else "unfinished"
+    if status is None:
+        return "unfinished", total
+    state = "interrupted" if writer_gone(status) else str(status.get("state", "unfinished"))
     return (state if state not in ("finished", "unknown") else "unfinished"), total
 
 
@@ -206,13 +207,17 @@ def assign_run_labels(runs: list[RunInfo], label_key: str | None) -> None:
 # change with the seed). Not settings: runs differing in them still group.
 SEED_DRAWN = frozenset({"partition-sizes", "global-test-size",
                         "torch-threads", "environment"})  # the machine's, not settings: recorded for reproducing
+# What the dataset and model settings imply, recorded to rebuild the model
+# (fedaccel.runtime.load_final_model); runs recorded before these keys
+# still group with newer ones of the same settings.
+IMPLIED = frozenset({"input-shape", "num-classes"})
 
 
 def _group_key(config: dict) -> str:
     settings = {k: v for k, v in config.items() if k not in SEED_KEYS}
     if isinstance(settings.get("resolved"), dict):
         settings["resolved"] = {k: v for k, v in settings["resolved"].items()
-                                if k not in SEED_KEYS | SEED_DRAWN}
+                                if k not in SEED_KEYS | SEED_DRAWN | IMPLIED}
     return json.dumps(settings, sort_keys=True, default=str)
 
 

@@ -38,12 +38,13 @@ import json
 import math
 import numbers
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedaccel.processes import process_record
+from fedaccel.processes import pid_alive, process_record
 
 __all__ = [
     "STANDARD_KEYS",
@@ -563,6 +564,14 @@ def load_status(run_dir: str | Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
+
+
+def writer_gone(status: dict) -> bool:
+    """Whether a run whose ``status.json`` says ``running`` lost the process
+    that writes it: recorded on this host, and that process is no longer
+    alive (a run killed without a word; one on another host cannot be told)."""
+    return (status.get("state") == "running" and status.get("host") == socket.gethostname()
+            and isinstance(status.get("pid"), int) and not pid_alive(status["pid"], status.get("pid_start")))
 
 
 def load_run(run_dir: str | Path, require_summary: bool = True) -> tuple[dict, list[dict], dict]:

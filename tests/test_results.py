@@ -355,6 +355,12 @@ def test_group_seeds_ignores_what_the_seed_draws(tmp_path):
     groups = compare.group_by_seed(runs)
     assert [g.seeds for g in groups] == [[0, 1], [2]]
 
+    # a run recorded before config.json kept the model's input shape and class count groups with a newer one
+    newer = resolved(3, [4, 6])
+    newer["resolved"].update({"input-shape": [60], "num-classes": 10})
+    groups = compare.group_by_seed(runs[:2] + [compare.RunInfo(tmp_path / "r3", newer, [], {})])
+    assert [g.seeds for g in groups] == [[0, 1, 3]]
+
 
 def record_unfinished(run_dir, accs, num_rounds, config=None, state="failed"):
     """A run that recorded ``accs`` and then ended early (``failed`` or

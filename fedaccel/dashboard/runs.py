@@ -9,15 +9,15 @@ bookkeeping: every value is read from those files when asked.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fedaccel.processes import pid_alive, record_alive
-from fedaccel.results import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line, summarize
+from fedaccel.processes import record_alive
+from fedaccel.results import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line,
+                              summarize, writer_gone)
 
 #: how deep under a root run folders are looked for (sweeps: root/study/cells/run)
 MAX_DEPTH = 4
@@ -134,8 +134,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
     state = str(status.get("state", "unknown"))
     if state == "running" and _stop_confirmed(path):
         return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
-    if state == "running" and status.get("host") == socket.gethostname() \
-            and isinstance(status.get("pid"), int) and not pid_alive(status["pid"], status.get("pid_start")):
+    if writer_gone(status):
         if (path / STOP_FILE).is_file():
             return "stopped", "stopped from the dashboard"
         return "interrupted", "its process ended without recording why (killed?)"
