@@ -37,6 +37,19 @@ class RoundFailedError(RuntimeError):
     """Every client of a round failed; continuing would silently freeze the model."""
 
 
+class RejectedReplies(Exception):
+    """Raised by a strategy's ``combine`` when some of the replies it was
+    given cannot be combined, found only while combining them (FedPM: a
+    preconditioner without a Cholesky factor): ``problems`` maps each such
+    reply's index in the list ``combine`` got to the reason. The round
+    rejects those replies as it rejects malformed ones and combines the
+    others (``FedAccelStrategy.aggregate_train``)."""
+
+    def __init__(self, problems: dict[int, str]) -> None:
+        super().__init__("; ".join(f"reply {i}: {why}" for i, why in sorted(problems.items())))
+        self.problems = problems
+
+
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, DataError, ModelError, FederationError, ResultsDirError, ResourceError,
     CheckpointError, RoundFailedError,

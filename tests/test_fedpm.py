@@ -459,6 +459,46 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     assert "\n" not in msg
 
 
+def test_a_reply_whose_own_preconditioner_has_no_factor_is_rejected_alone(server_identity):
+    """One client uploads a matrix no FOOF pass makes (indefinite even after
+    damping): the mix fails, that reply is rejected as a malformed one is
+    (logged, counted, its client not committed) and the other two are mixed,
+    exactly as if only they had replied."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedaccel.membership import Federation
+    from fedaccel.registry import get_algorithm
+    from fakes import StubGrid
+
+    cfg = parse_run_config(fuse(default_run_config(), {"algo": "fedpm", "clients-per-round": 3}))
+    nodes = {0: 11, 1: 12, 2: 13}
+    strategy = get_algorithm("fedpm").build_strategy(cfg, Federation(dict(nodes)))
+    start = {"fc.weight": np.ones((2, 2), dtype=np.float32), "fc.bias": np.zeros(2, dtype=np.float32)}
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(
+        1, ArrayRecord({k: Array(v) for k, v in start.items()}), ConfigRecord(), StubGrid(nodes.values()))}
+    rng = np.random.default_rng(0)
+    sent, replies = {}, []
+    for pid, node in nodes.items():
+        msgs[node].metadata.__dict__["_message_id"] = f"m{pid}"
+        arrays = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in start.items()}
+        a = rng.normal(size=(3, 3))
+        precond = (a @ a.T / 3 if pid != 1 else -5.0 * np.eye(3)).astype(np.float32)
+        packed = foof.pack_upper(torch.from_numpy(precond)).numpy()
+        sent[pid] = (arrays, {"fc": packed}, 10.0 + pid)
+        replies.append(Message(RecordDict({
+            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            "metrics": MetricRecord({"num-examples": 10 + pid, "train-loss": 1.0}),
+            PRECOND_KEY: ArrayRecord({"fc": Array(packed)}),
+        }), reply_to=msgs[node]))
+    out, _ = strategy.aggregate_train(1, replies)
+    expected = preconditioned_mix([sent[0], sent[2]], float(cfg.algo_params.damping))
+    for key, value in expected.items():
+        np.testing.assert_array_equal(out[key].numpy(), value)
+    log = strategy.rounds[1]
+    assert (log.rejected, log.failures, log.replies) == (1, 1, 2)
+    assert strategy.accepted_round.get(1) is None and strategy.accepted_round[0] == strategy.accepted_round[2] == 1
+
+
 # ------------------------------------------------- FOOF passes per round
 def count_foof(monkeypatch) -> list[int]:
     """Count calls of fedaccel.clients.foof.compute_foof (the solver calls it through the module)."""

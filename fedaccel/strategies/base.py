@@ -63,7 +63,7 @@ from fedaccel.arrays import all_finite, config_record, from_numpy, record_dict, 
 from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
-from fedaccel.errors import RoundFailedError
+from fedaccel.errors import RejectedReplies, RoundFailedError
 from fedaccel.grids import NodeSubset
 from fedaccel.membership import Federation, NodeMembership
 from fedaccel.metrics import RoundLog, mean_client_accuracy
@@ -382,7 +382,7 @@ class FedAccelStrategy:
             return None, None
         # aggregate -> update transforms (global GC) -> server step: every server
         # state is built from the transformed update (see server_step)
-        arrays, metrics = self.combine(server_round, ok)
+        arrays, metrics, ok = self._combine_sound(server_round, ok, log_)
         if arrays is not None:
             for transform in self.update_transforms:
                 arrays = transform(self.global_arrays, arrays)
@@ -392,6 +392,32 @@ class FedAccelStrategy:
         if metrics is not None and "train-loss" in metrics:
             log_.train_loss = float(metrics["train-loss"])
         return arrays, metrics
+
+    def _combine_sound(self, server_round: int, ok: list[Message],
+                       log_: RoundLog) -> tuple[ArrayRecord | None, MetricRecord | None, list[Message]]:
+        """:meth:`combine` of the replies, less those it finds it cannot
+        combine (:class:`RejectedReplies`): each is rejected as a malformed
+        reply is (logged, counted, its client's state not committed) and the
+        others are combined again; the round fails if none is left."""
+        while True:
+            try:
+                arrays, metrics = self.combine(server_round, ok)
+                return arrays, metrics, ok
+            except RejectedReplies as rejected:
+                problems = {i: why for i, why in rejected.problems.items() if 0 <= i < len(ok)}
+                if not problems:
+                    raise RuntimeError(f"{type(self).__name__}.combine rejected no reply it was given: "
+                                       f"{rejected}") from None
+                for i, why in sorted(problems.items()):
+                    log(WARNING, "round %s: rejected the reply of node %s: %s",
+                        server_round, ok[i].metadata.src_node_id, why)
+                log_.rejected += len(problems)
+                log_.failures += len(problems)
+                ok = [m for i, m in enumerate(ok) if i not in problems]
+                log_.replies = len(ok)
+                if not ok:
+                    raise RoundFailedError(f"round {server_round}: every reply was rejected "
+                                           f"({problems[min(problems)]})") from None
 
     # ---------------------------------------------------------- evaluation
     def configure_evaluate(

@@ -17,13 +17,15 @@ objective, which is what the exact mode is tested against. See docs/fedpm.md.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
+from fedaccel.clients import foof
 from fedaccel.clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_mode
 from fedaccel.arrays import numpy_to_record, record_to_numpy
 from fedaccel.config import RunConfig
-from fedaccel.errors import RoundFailedError
+from fedaccel.errors import RejectedReplies, RoundFailedError
 from fedaccel.algorithm import AlgorithmSpec
 from fedaccel.strategies.base import FedAccelStrategy, Federation
 from fedaccel.strategies.preconditioned_mixing import preconditioned_mix, preconditioner_layout
@@ -64,6 +66,13 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
         try:
             mixed = preconditioned_mix(clients, damping)
         except ValueError as err:  # not positive definite: stop with one line, not a traceback
+            # a client whose own damped preconditioner has no Cholesky factor
+            # (an upload no sound FOOF pass makes: A is a mean of a a^T)
+            # is rejected alone, as a NaN reply is, when others are sound
+            unsound = {i: why for i, (_, pre, _) in enumerate(clients)
+                       if (why := unsound_preconditioner(pre, damping)) is not None}
+            if unsound and len(unsound) < len(clients):
+                raise RejectedReplies(unsound) from None
             largest = max(float(np.abs(v).max()) for _, pre, _ in clients for v in pre.values())
             raise RoundFailedError(
                 f"round {server_round}: {err} (damping {damping:g}, largest preconditioner entry "
@@ -73,6 +82,17 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
         new = numpy_to_record(mixed)
         metrics = reply_metrics(replies, self.weighted_by_key)
         return new, metrics
+
+
+def unsound_preconditioner(packed: dict[str, np.ndarray], damping: float) -> str | None:
+    """Why a reply's packed preconditioners cannot be mixed (a layer's
+    ``P + damping I`` without a Cholesky factor), or None."""
+    for layer, values in packed.items():
+        matrix = foof.unpack_upper(torch.from_numpy(np.asarray(values, dtype=np.float64)))
+        if int(foof.damped_cholesky_ex(matrix, damping)[1]) != 0:
+            return (f"its {layer} preconditioner plus damping {damping:g} is not positive definite "
+                    f"(largest entry {float(np.abs(values).max()):.3g}): not a FOOF matrix")
+    return None
 
 
 def build(cfg: RunConfig, federation: Federation) -> FedPMStrategy:
