@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedaccel.results import (
-    SUMMARY_FILE,
     _check_accuracy,
     _new_figure,
     _num,
@@ -62,8 +61,9 @@ from fedaccel.results import (
     cumulative_mb,
     load_run,
     load_status,
+    recorded_state,
+    run_finished,
     summarize,
-    writer_gone,
 )
 
 __all__ = ["main", "compare_runs", "load_runs", "run_state_of", "group_by_seed", "grouping_notes",
@@ -153,12 +153,11 @@ def run_state_of(path: Path, config: dict) -> tuple[str, int | None]:
     status = load_status(path)
     total = _num((status or {}).get("num_rounds")) or _num(config.get("num-server-rounds"))
     total = int(total) if total else None
-    has_summary = (path / SUMMARY_FILE).is_file()
-    if has_summary and (status is None or status.get("state") == "finished"):
+    if run_finished(path):
         return "finished", total
     if status is None:
         return "unfinished", total
-    state = "interrupted" if writer_gone(status) else str(status.get("state", "unfinished"))
+    state = recorded_state(path, status)[0]  # as the dashboard's runs list shows it
     return (state if state not in ("finished", "unknown") else "unfinished"), total
 
 
@@ -239,7 +238,8 @@ def group_by_seed(runs: list[RunInfo], label_key: str | None = None) -> list[Gro
             continue
         g = groups.setdefault(_group_key(r.config), Group(runs=[]))
         seed = r.config.get("seed")
-        kept = next((k for k, s in zip(g.runs, g.seeds) if _same_seed(s, seed)), None)
+        # (a run that recorded no seed is no duplicate of another: nothing says they are one run)
+        kept = None if seed is None else next((k for k, s in zip(g.runs, g.seeds) if _same_seed(s, seed)), None)
         if kept is not None:
             g.duplicates.append((r, kept))
             continue

@@ -6,6 +6,8 @@ simulation, on a real SuperLink, and in the fast runner alike.
 
 from __future__ import annotations
 
+import json
+
 import sys
 import time
 from contextlib import contextmanager
@@ -285,16 +287,34 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
     """The checkpoint ``resume`` names, checked against this run: the same run
     config (but where results go and how often to checkpoint), and every
     client's state when the algorithm's clients keep state."""
-    ckpt = read_checkpoint(find_checkpoint(cfg.resume))
+    path = find_checkpoint(cfg.resume)
+    ckpt = read_checkpoint(path)
     mismatch = config_mismatch(ckpt.run_config, run_config)
     if mismatch:
         shown = "; ".join(mismatch[:4]) + (f"; and {len(mismatch) - 4} more" if len(mismatch) > 4 else "")
         raise config_error("resume", cfg.resume, f"its checkpoint was written with another run config ({shown}); "
                            "resume with the checkpoint's own config: fedaccel-run --resume RUN_DIR reads it, "
                            "flwr run takes it as --run-config RUN_DIR/checkpoints/resume.toml")
+    started = _started_policy(path.parent.parent)
+    if cfg.straggler_fraction > 0 and started is not None and started != cfg.straggler_policy:
+        raise config_error("resume", cfg.resume, f"the run started with straggler-policy resolved to "
+                           f"'{started}' (config.json) and would go on with '{cfg.straggler_policy}': "
+                           f"straggler-policy='auto' means another policy for algo='{cfg.algo}' since the "
+                           f"run started; start it again (with straggler-policy='{started}' to keep its rule)")
     if cfg.stateful_clients and (client_store is None or ckpt.clients is None):
         raise config_error("resume", cfg.resume, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     return ckpt
+
+
+def _started_policy(run_dir: Path) -> str | None:
+    """The straggler policy a run's ``config.json`` recorded it started with
+    (resolved: what ``auto`` meant then), or None if it recorded none."""
+    try:
+        resolved = json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("resolved")
+    except (OSError, ValueError):
+        return None
+    policy = resolved.get("straggler_policy") if isinstance(resolved, dict) else None
+    return policy if isinstance(policy, str) else None
 
 
 def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:

@@ -566,6 +566,51 @@ def load_status(run_dir: str | Path) -> dict | None:
     return status if isinstance(status, dict) else None
 
 
+def run_finished(run_dir: str | Path) -> bool:
+    """Whether a run folder holds a finished run: a readable ``summary.json``
+    and, when it has a ``status.json``, that status ``finished`` (written
+    last: a run killed after its summary and before its status, or started
+    again in an old folder, is not finished). Runs recorded before
+    ``status.json`` existed count by their summary."""
+    try:
+        if not isinstance(json.loads((Path(run_dir) / SUMMARY_FILE).read_text(encoding="utf-8")), dict):
+            return False
+    except (OSError, ValueError):
+        return False
+    status = load_status(run_dir)
+    return status is None or status.get("state") == "finished"
+
+
+#: written into a run folder when the dashboard asks its run to stop
+#: (``confirmed``: Flower stopped it, ``flwr stop``)
+STOP_FILE = "stop-requested.json"
+
+
+def _stop_confirmed(run_dir: Path) -> bool:
+    try:
+        return json.loads((run_dir / STOP_FILE).read_text(encoding="utf-8")).get("confirmed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def recorded_state(run_dir: str | Path, status: dict) -> tuple[str, str | None]:
+    """The state of a run that has a ``status.json`` (``status``) and the
+    one-line reason of one that ended early: the status's own, except
+    ``stopped`` for a run stopped from the dashboard (Flower confirmed the
+    stop, or its process is gone and a stop was asked) and ``interrupted``
+    for a run whose process is gone without a word (:func:`writer_gone`).
+    The dashboard's runs list and fedaccel-compare show the same."""
+    run_dir = Path(run_dir)
+    state = str(status.get("state", "unknown"))
+    if state == "running" and _stop_confirmed(run_dir):
+        return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
+    if writer_gone(status):
+        if (run_dir / STOP_FILE).is_file():
+            return "stopped", "stopped from the dashboard"
+        return "interrupted", "its process ended without recording why (killed?)"
+    return state, status.get("error")
+
+
 def writer_gone(status: dict) -> bool:
     """Whether a run whose ``status.json`` says ``running`` lost the process
     that writes it: recorded on this host, and that process is no longer

@@ -97,7 +97,10 @@ def load_final_model(run_dir: str | Path) -> torch.nn.Module:
                          "recorded): build the model with fedaccel.models.build_model(name, input_shape, "
                          "num_classes) and load final_model.npz into it")
     model = build_model(resolved["model"], resolved["input-shape"], int(resolved["num-classes"]))
-    model = model.to(TORCH_DTYPES[config.get("precision", "float32")])
+    precision = resolved.get("precision", config.get("precision", "float32"))
+    if precision not in TORCH_DTYPES:
+        raise ValueError(f"{config_path}: precision={precision!r} is not one of {', '.join(TORCH_DTYPES)}")
+    model = model.to(TORCH_DTYPES[precision])
     with np.load(weights_path) as weights:
         model.load_state_dict({key: torch.from_numpy(weights[key]) for key in weights.files})
     return model.eval()

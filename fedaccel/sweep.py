@@ -77,6 +77,7 @@ from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
 from fedaccel.processes import process_record, record_alive, stop_on_sigint
+from fedaccel.results import run_finished
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -450,12 +451,11 @@ def check_plan(study: Study, configs: list[dict[str, Any]], write: bool = True) 
 
 
 def finished(run_dir: Path) -> bool:
-    """A cell is finished when its run wrote a readable ``summary.json``
-    (the run's last word; a sweep killed while it was written reruns it)."""
-    try:
-        return isinstance(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")), dict)
-    except (OSError, ValueError):
-        return False
+    """A cell is finished when its run is (:func:`fedaccel.results.run_finished`:
+    a readable ``summary.json`` and its status ``finished``, the run's last
+    word; a cell killed before that is run again), as fedaccel-compare,
+    which makes the study's report, counts it."""
+    return run_finished(run_dir)
 
 
 def _resumable(run_dir: Path, config: dict[str, Any]) -> bool:

@@ -372,3 +372,25 @@ def test_a_process_killed_with_sigkill_resumes_to_the_same_model(tmp_path):
     assert not any(state.iterdir())  # the resumed run removed that folder first, and its own at the end
     assert_bit_identical(final_model(tmp_path / "whole"), final_model(tmp_path / "cut"))
     assert rows_without_time(tmp_path / "whole") == rows_without_time(tmp_path / "cut")
+
+
+def test_a_resume_whose_auto_straggler_policy_now_means_another_rule_is_refused(tmp_path):
+    """A FedProx run with stragglers and straggler-policy='auto' resolved it
+    to 'drop' when it started (config.json says so; 'auto' means 'partial'
+    for FedProx now): resuming it would switch rules mid-run, so it is
+    refused in one line; the same checkpoint with its own rule resumes."""
+    import json
+
+    run_config = config(tmp_path, "fedprox", "cut", **{"num-server-rounds": 2, "checkpoint-every": 1,
+                                                       "straggler-fraction": 0.5})
+    run_dir = run_local(run_config, num_clients=NUM_CLIENTS, quiet=True)
+    settings = json.loads((run_dir / "config.json").read_text())
+    assert settings["resolved"]["straggler_policy"] == "partial"
+    resumed, num_clients = resume_config(str(list_checkpoints(run_dir)[0]), {}, None)
+    settings["resolved"]["straggler_policy"] = "drop"  # what a run started before the change recorded
+    (run_dir / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match="started with straggler-policy resolved to 'drop'"):
+        run_local(resumed, num_clients=num_clients, quiet=True)
+    settings["resolved"]["straggler_policy"] = "partial"
+    (run_dir / "config.json").write_text(json.dumps(settings))
+    assert run_local(resumed, num_clients=num_clients, quiet=True) == run_dir.resolve()

@@ -113,6 +113,23 @@ def test_compare_tables_are_fedaccel_compares(client, results, tmp_path):
     assert bad.status_code == 400 and "pick one or more" in bad.json()["error"]
 
 
+def test_the_compare_view_counts_a_seed_once_and_says_who_is_left_out_of_the_groups(client, results):
+    """The grouped view is fedaccel-compare's: a second run of seed 0 is set
+    aside and a failed run joins no group, each named in the note; the
+    failed run is still in the runs table, marked."""
+    for name, seed, accs in (("avg-0", 0, [0.4, 0.6]), ("avg-1", 1, [0.5, 0.7]), ("avg-0-again", 0, [0.4, 0.6])):
+        record_run(results, name, 2, accs, seed=seed)
+    record_run(results, "avg-2", 4, [0.3, 0.5], seed=2, finish=False)
+    set_status(results / "avg-2", state="failed", error="every client failed")
+    got = client.post("/api/compare", json={"ids": ["0/avg-0", "0/avg-1", "0/avg-0-again", "0/avg-2"],
+                                            "group_seeds": True}, headers=POST).json()
+    _, rows = got["groups_table"]
+    assert [row[:3] for row in rows] == [["fedavg", "fedavg", "2"]]  # seeds 0 and 1, each once
+    assert "set aside" in got["note"] and "avg-0-again" in got["note"]
+    assert "not in any group" in got["note"] and "avg-2 (failed, round 2 of 4)" in got["note"]
+    assert any("avg-2 [failed, round 2 of 4]" in " ".join(row) for row in got["runs_table"][1])
+
+
 # -------------------------------------------------------------- launch form
 def test_form_schema_is_every_key_with_registry_choices_and_docs_help():
     schema = form_schema()

@@ -461,6 +461,16 @@ def test_group_seeds_counts_a_repeated_seed_once(tmp_path, capsys):
     assert "set aside" in said[1] and "seed 0" in said[1] and "fedavg-s0-fast" in said[1]
 
 
+def test_runs_without_a_recorded_seed_are_not_taken_for_duplicates(tmp_path):
+    """Two runs of the same settings that recorded no seed: nothing says they
+    are one run, so both count (n = 2), as before seeds were deduplicated."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d, acc in zip(dirs, (0.8, 0.6)):
+        write_run(d, {"algo": "fedavg", "lr": 0.1, "run-name": d.name}, [0.5, acc])
+    groups = compare.group_by_seed(compare.load_runs(dirs))
+    assert len(groups) == 1 and len(groups[0].runs) == 2 and not groups[0].duplicates
+
+
 def test_group_seeds_leaves_unfinished_runs_out_of_the_groups(tmp_path):
     done = tmp_path / "s0"
     write_run(done, {"algo": "fedavg", "seed": 0, "num-server-rounds": 2}, [0.5, 0.8])

@@ -239,6 +239,25 @@ def test_shipped_study_files_are_valid(path, tmp_path) -> None:
 
 
 @pytest.mark.slow  # a real fedaccel-sweep process, killed and started again: ~20 s
+def test_a_cell_is_finished_when_its_status_says_so_not_at_its_summary(tmp_path) -> None:
+    """A run writes summary.json, draws its curves, then sets its status to
+    finished: a cell killed in between is not finished (it is run again),
+    as fedaccel-compare, which makes the report, does not count it either;
+    a run recorded before status.json existed counts by its summary."""
+    from fedaccel.compare import run_state_of
+    from fedaccel.sweep import finished
+
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    assert not finished(cell)
+    (cell / "summary.json").write_text(json.dumps({"final_accg": 0.5}))
+    assert finished(cell) and run_state_of(cell, {})[0] == "finished"  # no status.json: an older run
+    (cell / "status.json").write_text(json.dumps({"state": "running", "host": "elsewhere", "pid": 1}))
+    assert not finished(cell) and run_state_of(cell, {})[0] == "running"
+    (cell / "status.json").write_text(json.dumps({"state": "finished"}))
+    assert finished(cell) and run_state_of(cell, {})[0] == "finished"
+
+
 def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
     import signal
     import subprocess
@@ -250,12 +269,14 @@ def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
     command = [sys.executable, "-m", "fedaccel.sweep", str(path), "--workers", "1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (cells / "seed=0" / "summary.json").is_file():  # the first cell has finished
+    from fedaccel.results import run_finished
+
+    while not run_finished(cells / "seed=0"):  # the first cell has finished: its summary and its status
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    finished_before = {p.name for p in cells.iterdir() if (p / "summary.json").is_file()}
+    finished_before = {p.name for p in cells.iterdir() if run_finished(p)}
     assert "seed=0" in finished_before and len(finished_before) < 3
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from fedaccel.processes import record_alive
-from fedaccel.results import (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, load_rows, load_status, progress_line,
-                              summarize, writer_gone)
+from fedaccel.results import (CONFIG_FILE, METRICS_FILE, STOP_FILE, SUMMARY_FILE, load_rows, load_status,
+                              progress_line, recorded_state, summarize)
 
 #: how deep under a root run folders are looked for (sweeps: root/study/cells/run)
 MAX_DEPTH = 4
@@ -25,8 +25,7 @@ MAX_DEPTH = 4
 CONSOLE_FILE = "console.log"
 #: what the dashboard wrote when it launched a run: argv, engine, overrides, pid
 LAUNCH_FILE = "launch.json"
-#: written when the dashboard asked Flower to stop a run (Flower kills its ServerApp)
-STOP_FILE = "stop-requested.json"
+# STOP_FILE (fedaccel.results): written when the dashboard asked a run to stop
 
 
 @dataclass(frozen=True)
@@ -107,13 +106,6 @@ def resolve(roots: list[Path], run_id: str, is_folder: Callable[[Path], bool] = 
     return path
 
 
-def _stop_confirmed(path: Path) -> bool:
-    try:
-        return json.loads((path / STOP_FILE).read_text(encoding="utf-8")).get("confirmed") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tuple[str, str | None]:
     """``running``, ``finished``, ``failed``, ``stopped``, ``starting`` (the
     dashboard launched it; it has not recorded a round yet), ``interrupted``
@@ -131,14 +123,7 @@ def run_state(path: Path, status: dict | None, launch: dict | None = None) -> tu
         last = [line for line in console_tail(path, 20) if line.strip()]
         errors = [line for line in last if "error" in line.lower()]
         return "failed", (errors or last or ["the run ended before its first round"])[-1]
-    state = str(status.get("state", "unknown"))
-    if state == "running" and _stop_confirmed(path):
-        return "stopped", "stopped from the dashboard (flwr stop; Flower lists it as finished)"
-    if writer_gone(status):
-        if (path / STOP_FILE).is_file():
-            return "stopped", "stopped from the dashboard"
-        return "interrupted", "its process ended without recording why (killed?)"
-    return state, status.get("error")
+    return recorded_state(path, status)
 
 
 def _seconds_per_round(rows: list[dict]) -> float | None:

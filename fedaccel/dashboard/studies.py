@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from fedaccel.compare import group_by_seed, groups_table, load_runs, target_note
 from fedaccel.dashboard.runs import RunRef, console_tail, is_run_dir, resolve, run_overview
 from fedaccel.processes import record_alive
-from fedaccel.results import SUMMARY_FILE, load_status
+from fedaccel.results import load_status, run_finished
 
 PLAN_FILE = "plan.json"
 #: what the dashboard wrote when it launched a study (not launch.json: that marks a run folder)
@@ -154,7 +154,7 @@ def study_detail(ref: RunRef, path: Path, log_lines: int = 40) -> dict[str, Any]
     out = {**study_overview(ref, path, cells), "cell_rows": cells, "groups_table": None, "series": [],
            "report": sorted(p.name for p in (path / REPORT).glob("*")) if (path / REPORT).is_dir() else [],
            "log": console_tail(path, log_lines)}
-    finished = [path / CELLS / c["name"] for c in cells if (path / CELLS / c["name"] / SUMMARY_FILE).is_file()]
+    finished = [path / CELLS / c["name"] for c in cells if run_finished(path / CELLS / c["name"])]
     if finished:
         try:
             groups = group_by_seed(load_runs(finished))
