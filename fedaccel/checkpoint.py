@@ -257,6 +257,31 @@ def _unreadable(path: Path, err: BaseException, fallback: str = "") -> Checkpoin
                            f"({type(err).__name__}: {err}){fallback}")
 
 
+def resolution_changed(run_dir: Path, cfg: Any) -> str | None:
+    """Why a run cannot go on under ``cfg`` (a RunConfig whose keys equal the
+    checkpoint's) although nothing in its run config changed: a setting
+    whose ``auto`` now resolves to another value than the run's
+    ``config.json`` recorded when it started (the sampler; the straggler
+    policy, when the run has stragglers). None when nothing changed or the
+    run recorded nothing."""
+    try:
+        resolved = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8")).get("resolved")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(resolved, dict):
+        return None
+    settings = [("sampler", "sampler", cfg.sampler)]
+    if cfg.straggler_fraction > 0:
+        settings.append(("straggler_policy", "straggler-policy", cfg.straggler_policy))
+    for field, key, now in settings:
+        started = resolved.get(field)
+        if isinstance(started, str) and started != now:
+            return (f"the run started with {key} resolved to '{started}' (its config.json) and would go on "
+                    f"with '{now}': {key}='auto' means another rule for algo='{cfg.algo}' since it started, so "
+                    f"it cannot be resumed; run it again from round 1 ({key}='{started}' keeps its rule)")
+    return None
+
+
 def run_dir_of(path: Path) -> Path:
     """The run folder a checkpoint file belongs to (the one holding ``checkpoints/``)."""
     path = Path(path).resolve()

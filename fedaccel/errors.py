@@ -42,8 +42,10 @@ class RejectedReplies(Exception):
     given cannot be combined, found only while combining them (FedPM: a
     preconditioner without a Cholesky factor): ``problems`` maps each such
     reply's index in the list ``combine`` got to the reason. The round
-    rejects those replies as it rejects malformed ones and combines the
-    others (``FedAccelStrategy.aggregate_train``)."""
+    rejects those replies as it rejects malformed ones and calls ``combine``
+    again with the others (``FedAccelStrategy.aggregate_train``), so a
+    ``combine`` that keeps server state must raise it before it changes any
+    (FedPM's keeps none)."""
 
     def __init__(self, problems: dict[int, str]) -> None:
         super().__init__("; ".join(f"reply {i}: {why}" for i, why in sorted(problems.items())))

@@ -6,8 +6,6 @@ simulation, on a real SuperLink, and in the fast runner alike.
 
 from __future__ import annotations
 
-import json
-
 import sys
 import time
 from contextlib import contextmanager
@@ -24,7 +22,8 @@ from flwr.serverapp import Grid
 
 from fedaccel.arrays import load_into
 from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_state, config_mismatch, find_checkpoint,
-                                 read_checkpoint, restore_carried_state, run_dir_of, write_checkpoint)
+                                 read_checkpoint, resolution_changed, restore_carried_state, run_dir_of,
+                                 write_checkpoint)
 from fedaccel.clients.state import state_run_dir
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import USER_ERRORS, CheckpointError, FederationError, ResultsDirError
@@ -295,26 +294,13 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
         raise config_error("resume", cfg.resume, f"its checkpoint was written with another run config ({shown}); "
                            "resume with the checkpoint's own config: fedaccel-run --resume RUN_DIR reads it, "
                            "flwr run takes it as --run-config RUN_DIR/checkpoints/resume.toml")
-    started = _started_policy(path.parent.parent)
-    if cfg.straggler_fraction > 0 and started is not None and started != cfg.straggler_policy:
-        raise config_error("resume", cfg.resume, f"the run started with straggler-policy resolved to "
-                           f"'{started}' (config.json) and would go on with '{cfg.straggler_policy}': "
-                           f"straggler-policy='auto' means another policy for algo='{cfg.algo}' since the "
-                           f"run started; start it again (with straggler-policy='{started}' to keep its rule)")
+    changed = resolution_changed(run_dir_of(path), cfg)
+    if changed is not None:
+        raise CheckpointError(f"resume={str(cfg.resume)!r}: {changed}")
     if cfg.stateful_clients and (client_store is None or ckpt.clients is None):
         raise config_error("resume", cfg.resume, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     return ckpt
 
-
-def _started_policy(run_dir: Path) -> str | None:
-    """The straggler policy a run's ``config.json`` recorded it started with
-    (resolved: what ``auto`` meant then), or None if it recorded none."""
-    try:
-        resolved = json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("resolved")
-    except (OSError, ValueError):
-        return None
-    policy = resolved.get("straggler_policy") if isinstance(resolved, dict) else None
-    return policy if isinstance(policy, str) else None
 
 
 def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:

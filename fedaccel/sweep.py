@@ -32,8 +32,8 @@ algorithm's hyperparameters: ``fedprox.mu`` can only vary with
 
 - **Every cell is checked before anything runs**, and all invalid cells are
   reported in one message.
-- **Resumable**: a cell whose folder holds ``summary.json`` is finished and
-  is skipped when the same command runs again; an unfinished cell (killed
+- **Resumable**: a cell whose run finished (its ``summary.json``, and its
+  ``status.json`` saying so) is skipped when the same command runs again; an unfinished cell (killed
   mid-run) goes on from its newest checkpoint when the study sets
   ``checkpoint-every`` (fedaccel.checkpoint; local workers), else starts
   again from round 1. ``<name>/plan.json`` records each
@@ -73,7 +73,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
+from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest, resolution_changed
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
 from fedaccel.processes import process_record, record_alive, stop_on_sigint
@@ -465,9 +465,14 @@ def _resumable(run_dir: Path, config: dict[str, Any]) -> bool:
     if not found:
         return False
     try:
-        return not config_mismatch(read_manifest(found[-1])["run-config"], config)
+        if config_mismatch(read_manifest(found[-1])["run-config"], config):
+            return False
     except CheckpointError:
         return False
+    from fedaccel.run_config import parse_run_config
+
+    # a setting whose 'auto' resolves otherwise than when the cell started: the run cannot go on
+    return resolution_changed(run_dir, parse_run_config(config)) is None
 
 
 def _run_cell(config: dict[str, Any], num_clients: int, threads: int | None) -> tuple[str, float, str | None]:
@@ -537,9 +542,11 @@ def _cell_files(folder: Path) -> dict[str, bytes]:
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` (paths relative to ``folder``) atomically each;
-    ``summary.json`` last, so that a sweep killed while writing sees the cell
-    as unfinished."""
-    for rel in sorted(files, key=lambda n: n == "summary.json"):
+    ``summary.json`` and then ``status.json`` last, as the run itself writes
+    them, so that a sweep killed while writing sees the cell as unfinished
+    (:func:`fedaccel.results.run_finished`) and the dashboard agrees."""
+    last = {"summary.json": 1, "status.json": 2}
+    for rel in sorted(files, key=lambda n: last.get(n, 0)):
         target = folder / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():
             raise ValueError(f"a cell file outside its folder: {rel!r}")

@@ -389,8 +389,19 @@ def test_a_resume_whose_auto_straggler_policy_now_means_another_rule_is_refused(
     resumed, num_clients = resume_config(str(list_checkpoints(run_dir)[0]), {}, None)
     settings["resolved"]["straggler_policy"] = "drop"  # what a run started before the change recorded
     (run_dir / "config.json").write_text(json.dumps(settings))
-    with pytest.raises(ConfigError, match="started with straggler-policy resolved to 'drop'"):
+    with pytest.raises(CheckpointError, match="started with straggler-policy resolved to 'drop'.*cannot be resumed"):
         run_local(resumed, num_clients=num_clients, quiet=True)
+    # the checkpoint file named from inside its folder: the run folder is still found
+    import os
+
+    here = os.getcwd()
+    os.chdir(run_dir / "checkpoints")
+    try:
+        relative, _ = resume_config(list_checkpoints(run_dir)[0].name, {}, None)
+        with pytest.raises(CheckpointError, match="cannot be resumed"):
+            run_local(relative, num_clients=num_clients, quiet=True)
+    finally:
+        os.chdir(here)
     settings["resolved"]["straggler_policy"] = "partial"
     (run_dir / "config.json").write_text(json.dumps(settings))
     assert run_local(resumed, num_clients=num_clients, quiet=True) == run_dir.resolve()

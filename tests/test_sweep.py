@@ -238,7 +238,6 @@ def test_shipped_study_files_are_valid(path, tmp_path) -> None:
     assert f"fedaccel-sweep configs/studies/{path.name}" in path.read_text()
 
 
-@pytest.mark.slow  # a real fedaccel-sweep process, killed and started again: ~20 s
 def test_a_cell_is_finished_when_its_status_says_so_not_at_its_summary(tmp_path) -> None:
     """A run writes summary.json, draws its curves, then sets its status to
     finished: a cell killed in between is not finished (it is run again),
@@ -258,6 +257,7 @@ def test_a_cell_is_finished_when_its_status_says_so_not_at_its_summary(tmp_path)
     assert finished(cell) and run_state_of(cell, {})[0] == "finished"
 
 
+@pytest.mark.slow  # a real fedaccel-sweep process, killed and started again: ~20 s
 def test_a_killed_sweep_resumes_with_the_same_command(tmp_path) -> None:
     import signal
     import subprocess
@@ -657,3 +657,20 @@ def test_the_fedpm_test1_tables_take_each_run_from_the_cell_with_its_run_config(
     config.write_text(json.dumps(optimum_of_another_problem))
     with pytest.raises(SystemExit, match="are not this script's"):
         bench.grid_from_study(runs, tmp_path / "study", prob, 2)
+
+
+def test_a_cell_whose_auto_now_resolves_otherwise_is_run_again_not_resumed(tmp_path, monkeypatch) -> None:
+    """A killed cell with a checkpoint of its own run config is resumed,
+    unless a setting's 'auto' now resolves to another rule than the cell's
+    config.json recorded (FedProx's straggler policy): that cell cannot go on
+    and is run again from round 1 instead of failing on every rerun."""
+    import fedaccel.sweep as sweep
+    from fedaccel.local_run import default_run_config, fuse
+
+    config = fuse(default_run_config(), {"algo": "fedprox", "straggler-fraction": 0.5})
+    monkeypatch.setattr(sweep, "list_checkpoints", lambda run_dir: [run_dir / "checkpoints" / "round-00001.zip"])
+    monkeypatch.setattr(sweep, "read_manifest", lambda path: {"round": 1, "run-config": config})
+    for started, resumable in (("partial", True), ("drop", False)):
+        (tmp_path / "config.json").write_text(json.dumps({"resolved": {"straggler_policy": started,
+                                                                       "sampler": "uniform"}}))
+        assert sweep._resumable(tmp_path, config) is resumable, started

@@ -404,10 +404,10 @@ class FedAccelStrategy:
                 arrays, metrics = self.combine(server_round, ok)
                 return arrays, metrics, ok
             except RejectedReplies as rejected:
-                problems = {i: why for i, why in rejected.problems.items() if 0 <= i < len(ok)}
-                if not problems:
-                    raise RuntimeError(f"{type(self).__name__}.combine rejected no reply it was given: "
-                                       f"{rejected}") from None
+                problems = rejected.problems
+                if not problems or any(not 0 <= i < len(ok) for i in problems):
+                    raise RuntimeError(f"{type(self).__name__}.combine rejected replies it was not given "
+                                       f"({len(ok)} replies): {rejected}") from None
                 for i, why in sorted(problems.items()):
                     log(WARNING, "round %s: rejected the reply of node %s: %s",
                         server_round, ok[i].metadata.src_node_id, why)
@@ -416,8 +416,8 @@ class FedAccelStrategy:
                 ok = [m for i, m in enumerate(ok) if i not in problems]
                 log_.replies = len(ok)
                 if not ok:
-                    raise RoundFailedError(f"round {server_round}: every reply was rejected "
-                                           f"({problems[min(problems)]})") from None
+                    raise RoundFailedError(f"round {server_round}: no reply left to aggregate, the last "
+                                           f"rejected because {problems[min(problems)]}") from None
 
     # ---------------------------------------------------------- evaluation
     def configure_evaluate(

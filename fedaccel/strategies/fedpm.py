@@ -69,8 +69,11 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
             # a client whose own damped preconditioner has no Cholesky factor
             # (an upload no sound FOOF pass makes: A is a mean of a a^T)
             # is rejected alone, as a NaN reply is, when others are sound
-            unsound = {i: why for i, (_, pre, _) in enumerate(clients)
-                       if (why := unsound_preconditioner(pre, damping)) is not None}
+            # (the FOOF mode only: the exact mode's Hessians, uploaded in the model's
+            # dtype with damping 0 allowed, can round to indefinite without any fault)
+            unsound = ({i: why for i, (_, pre, _) in enumerate(clients)
+                        if (why := unsound_preconditioner(pre, damping)) is not None}
+                       if self.run_cfg.algo_params.mode == "foof" else {})
             if unsound and len(unsound) < len(clients):
                 raise RejectedReplies(unsound) from None
             largest = max(float(np.abs(v).max()) for _, pre, _ in clients for v in pre.values())
@@ -91,7 +94,7 @@ def unsound_preconditioner(packed: dict[str, np.ndarray], damping: float) -> str
         matrix = foof.unpack_upper(torch.from_numpy(np.asarray(values, dtype=np.float64)))
         if int(foof.damped_cholesky_ex(matrix, damping)[1]) != 0:
             return (f"its {layer} preconditioner plus damping {damping:g} is not positive definite "
-                    f"(largest entry {float(np.abs(values).max()):.3g}): not a FOOF matrix")
+                    f"(largest entry {float(np.abs(values).max()):.3g}): no FOOF pass uploads such a matrix")
     return None
 
 
