@@ -459,7 +459,7 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     assert "\n" not in msg
 
 
-def test_a_reply_whose_own_preconditioner_has_no_factor_is_rejected_alone(server_identity):
+def test_a_reply_whose_own_preconditioner_has_no_factor_is_rejected_alone(server_identity, caplog):
     """One client uploads a matrix no FOOF pass makes (indefinite even after
     damping): the mix fails, that reply is rejected as a malformed one is
     (logged, counted, its client not committed) and the other two are mixed,
@@ -496,6 +496,9 @@ def test_a_reply_whose_own_preconditioner_has_no_factor_is_rejected_alone(server
         np.testing.assert_array_equal(out[key].numpy(), value)
     log = strategy.rounds[1]
     assert (log.rejected, log.failures, log.replies) == (1, 1, 2)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("rejected the reply of node 12" in m and "no FOOF pass uploads" in m for m in said)
+    assert any("1 of 3 sampled clients failed or were rejected in all; aggregating the other 2" in m for m in said)
     assert strategy.accepted_round.get(1) is None and strategy.accepted_round[0] == strategy.accepted_round[2] == 1
 
 
