@@ -59,6 +59,7 @@ from flwr.proto.recorddict_pb2 import ArrayRecord as ProtoArrayRecord, RecordDic
 from fedaccel.clients.state import durable_replace
 from fedaccel.config import config_error, config_literal
 from fedaccel.errors import CheckpointError
+from fedaccel.results import CONFIG_FILE
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
@@ -265,7 +266,7 @@ def resolution_changed(run_dir: Path, cfg: Any) -> str | None:
     policy, when the run has stragglers). None when nothing changed or the
     run recorded nothing."""
     try:
-        resolved = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8")).get("resolved")
+        resolved = json.loads((Path(run_dir) / CONFIG_FILE).read_text(encoding="utf-8")).get("resolved")
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(resolved, dict):

@@ -302,7 +302,6 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
     return ckpt
 
 
-
 def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     """Parse config, discover clients, run; returns the run's results folder.
 

@@ -77,7 +77,7 @@ from fedaccel.checkpoint import config_mismatch, list_checkpoints, read_manifest
 from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
 from fedaccel.processes import process_record, record_alive, stop_on_sigint
-from fedaccel.results import run_finished
+from fedaccel.results import STATUS_FILE, SUMMARY_FILE, run_finished
 from flwr.common.config import flatten_dict
 
 from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
@@ -545,7 +545,7 @@ def _write_files(folder: Path, files: dict[str, bytes]) -> None:
     ``summary.json`` and then ``status.json`` last, as the run itself writes
     them, so that a sweep killed while writing sees the cell as unfinished
     (:func:`fedaccel.results.run_finished`) and the dashboard agrees."""
-    last = {"summary.json": 1, "status.json": 2}
+    last = {SUMMARY_FILE: 1, STATUS_FILE: 2}
     for rel in sorted(files, key=lambda n: last.get(n, 0)):
         target = folder / rel
         if ".." in Path(rel).parts or Path(rel).is_absolute():

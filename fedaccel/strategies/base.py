@@ -415,12 +415,12 @@ class FedAccelStrategy:
                 log_.failures += len(problems)
                 ok = [m for i, m in enumerate(ok) if i not in problems]
                 log_.replies = len(ok)
-                if ok:  # the round's count said before combining no longer holds
-                    log(WARNING, "round %s: %s of %s sampled clients failed or were rejected in all; "
-                        "aggregating the other %s", server_round, log_.failures, len(log_.sampled), len(ok))
                 if not ok:
                     raise RoundFailedError(f"round {server_round}: no reply left to aggregate, the last "
                                            f"rejected because {problems[min(problems)]}") from None
+                # the round's count said before combining no longer holds
+                log(WARNING, "round %s: %s of %s sampled clients failed or were rejected in all; "
+                    "aggregating the other %s", server_round, log_.failures, len(log_.sampled), len(ok))
 
     # ---------------------------------------------------------- evaluation
     def configure_evaluate(
