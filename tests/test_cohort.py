@@ -17,7 +17,7 @@ from flwr.app import Array, RecordDict
 
 from fakes import run_cfg
 from fedaccel.arrays import DeferredArray, all_finite, from_numpy, mean_of_records, to_numpy
-from fedaccel.clients.base import LocalSolver, TrainData
+from fedaccel.clients.base import LocalSolver, SamplePool, TrainData
 from fedaccel.clients.scaffold import C_RECORD, control_variate_record
 from fedaccel.clients import cohort as cohort_module
 from fedaccel.clients.cohort import (CohortJob, CohortMember, batched_forward, fallback_reason, fit_cohort, label_gradients,
@@ -308,6 +308,49 @@ def test_step_by_step_gathering_gives_the_same_bits_as_gathering_once(monkeypatc
     assert once[1] == by_step[1]
     for a, b in zip(once[0], by_step[0]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def pooled(datas: list[TrainData], lead: int = 3) -> list[TrainData]:
+    """The same clients' data as rows of one :class:`SamplePool`, as the fast
+    runner holds them: ``lead`` rows of no client first and the clients in
+    reverse order, so a client's rows start neither at 0 nor where the
+    cohort's own concatenation would put them."""
+    junk_x = torch.full((lead, *datas[0].x.shape[1:]), 1e3)
+    order = list(reversed(range(len(datas))))
+    pool = SamplePool(x=torch.cat([junk_x, *(datas[c].x for c in order)]),
+                      y=torch.cat([torch.zeros(lead, dtype=torch.long), *(datas[c].y for c in order)]))
+    starts, at = {}, lead
+    for c in order:
+        starts[c], at = at, at + datas[c].num_examples
+    return [TrainData(x=pool.x[starts[c]:starts[c] + d.num_examples], y=pool.y[starts[c]:starts[c] + d.num_examples],
+                      pool=pool, pool_start=starts[c]) for c, d in enumerate(datas)]
+
+
+@pytest.mark.parametrize("gather_once", [True, False], ids=["gathered-once", "step-by-step"])
+@pytest.mark.parametrize("algo, changes", [("fedavg", {"momentum": 0.9}), ("scaffold", {"weight-decay": 1e-3}),
+                                           ("fedpm", {})])
+def test_a_cohort_whose_data_are_rows_of_one_pool_trains_to_the_same_bits(algo, changes, gather_once,
+                                                                          monkeypatch) -> None:
+    """The fast runner's clients' data are rows of one pool, from which the
+    trainer gathers a round's mini-batches directly (no concatenation of the
+    cohort's data): the same samples, so the same weights, metrics and
+    uploads to the bit as from the clients' own tensors; two epochs, ragged
+    clients, a cohort of some of the pool's clients."""
+    if not gather_once:
+        monkeypatch.setattr(cohort_module, "GATHER_ONCE_BYTES", 0)
+    cfg = run_cfg(algo, **{"batch-size": 16, "local-epochs": 2, **changes})
+    model, datas = make_model(), clients()
+    rows_of_pool = pooled(datas)
+    some = [1, 3, 4, 6]  # not the whole pool, not in its order
+    own = cohort_round(cfg, model, [datas[c] for c in some], [ContextState(RecordDict()) for _ in some], 1)
+    from_pool = cohort_round(cfg, model, [rows_of_pool[c] for c in some],
+                             [ContextState(RecordDict()) for _ in some], 1)
+    assert own[1] == from_pool[1]
+    for a, b in zip(own[0], from_pool[0]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(own[2], from_pool[2]):  # SCAFFOLD's dc
+        assert all(torch.equal(torch.from_numpy(a[n][k].numpy()), torch.from_numpy(b[n][k].numpy()))
+                   for n in a for k in a[n])
 
 
 def test_a_rounds_nll_gradients_are_each_steps_scatter_of_the_label_gradients(monkeypatch) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fedaccel.local_run import default_run_config, fuse, main, run_local
 from fedaccel.registry import algorithm_names
@@ -244,3 +245,32 @@ def test_fast_runner_prepares_every_clients_data_before_round_one(tmp_path, monk
     client_app._runtime.cache_clear()
     run_local(small_config(tmp_path), num_clients=5, quiet=True)
     assert built_before_start == [5]
+
+
+def test_the_fast_runners_clients_train_on_rows_of_one_pool_with_their_own_values(tmp_path):
+    """prepare_clients puts every client's training data into one
+    SamplePool (the cohort trainer gathers from it without concatenating):
+    each client's tensors are its rows, with the values the dataset gives
+    that client, and its local test split is its own."""
+    import fedaccel.apps.client_app as client_app
+    from fedaccel.local_grid import LocalGrid
+
+    client_app._runtime.cache_clear()
+    client_app._shared.cache_clear()
+    grid = LocalGrid(client_app.app, small_config(tmp_path), num_clients=5)
+    contexts = list(grid.contexts.values())
+    client_app.prepare_clients(contexts)
+    runtimes = [client_app.client_runtime(context) for context in contexts]
+    pool = runtimes[0].train.pool
+    assert pool is not None and all(rt.train.pool is pool for rt in runtimes)
+    dataset = client_app._shared(client_app._freeze(contexts[0].run_config), 5, "").dataset
+    covered = 0
+    for rt in runtimes:
+        own = dataset.client(rt.partition_id)
+        start, n = rt.train.pool_start, rt.train.num_examples
+        assert torch.equal(pool.x[start:start + n], torch.from_numpy(own.x_train))
+        assert torch.equal(rt.train.x, torch.from_numpy(own.x_train)) and torch.equal(rt.train.y, torch.from_numpy(own.y_train))
+        assert rt.train.x.data_ptr() == pool.x[start].data_ptr()  # a view, not a copy
+        assert torch.equal(rt.test_x, torch.from_numpy(own.x_test))
+        covered += n
+    assert covered == len(pool.y)

@@ -21,7 +21,7 @@ that same reply alone and its traceback is logged here (:func:`_bug_reply`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from functools import lru_cache
 from logging import DEBUG, INFO
@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
-from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
+from fedaccel.clients.base import LocalResult, LocalSolver, SamplePool, TrainData
 from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fallback_reason, fit_cohort,
                                      own_batched, slower_reason, unbatchable_error)
 from fedaccel.memory import available_bytes_on
@@ -121,6 +121,9 @@ class _Shared:
     model: torch.nn.Module
     solver: LocalSolver
     state_mode: str
+    # partition -> its training data as rows of one SamplePool, and its
+    # local test split (filled by pool_training_data, read by _runtime)
+    pooled: dict[int, tuple[TrainData, Any, Any]] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=4)
@@ -161,26 +164,58 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int,
     (kept, so a client trained again does not rebuild them)."""
     shared = _shared(frozen_config, num_partitions, data_path)
     cfg, device = shared.cfg, shared.device
-    if data_path:
-        part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed,
-                                np.dtype(cfg.precision))
+    pooled = None if data_path else shared.pooled.get(partition_id)
+    if pooled is not None:
+        train, x_test, y_test = pooled
     else:
-        part = shared.dataset.client(partition_id)
+        if data_path:
+            part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed,
+                                    np.dtype(cfg.precision))
+        else:
+            part = shared.dataset.client(partition_id)
+        train = TrainData(x=torch.from_numpy(part.x_train).to(device), y=torch.from_numpy(part.y_train).to(device),
+                          augment=shared.dataset.augment)
+        x_test, y_test = part.x_test, part.y_test
     return ClientRuntime(
         cfg=cfg,
         partition_id=partition_id,
         device=device,
         model=shared.model,
         solver=shared.solver,
-        train=TrainData(
-            x=torch.from_numpy(part.x_train).to(device),
-            y=torch.from_numpy(part.y_train).to(device),
-            augment=shared.dataset.augment,
-        ),
-        test_x=torch.from_numpy(part.x_test).to(device),
-        test_y=torch.from_numpy(part.y_test).to(device),
+        train=train,
+        test_x=torch.from_numpy(x_test).to(device),
+        test_y=torch.from_numpy(y_test).to(device),
         state_mode=shared.state_mode,
     )
+
+
+def pool_training_data(contexts: list[Context]) -> None:
+    """The training data of the clients of ``contexts`` (partitions of the
+    run's dataset; a device's own file is left alone) as one
+    :class:`SamplePool` per run and process, each client's
+    :class:`TrainData` its rows: the same values, one tensor. Called before
+    their runtimes are built (:func:`prepare_clients`); a runtime built
+    before keeps its own tensors."""
+    groups: dict[tuple, list[int]] = {}
+    for context in contexts:
+        if not node_data_path(context):
+            pid, n = node_partition(context)
+            groups.setdefault((_freeze(context.run_config), n), []).append(pid)
+    for (frozen, n), pids in groups.items():
+        shared = _shared(frozen, n, "")
+        pids = sorted(set(pids) - set(shared.pooled))
+        if not pids:
+            continue
+        parts = [shared.dataset.client(pid) for pid in pids]
+        pool = SamplePool(x=torch.from_numpy(np.concatenate([p.x_train for p in parts])).to(shared.device),
+                          y=torch.from_numpy(np.concatenate([p.y_train for p in parts])).to(shared.device))
+        start = 0
+        for pid, part in zip(pids, parts):
+            end = start + len(part.y_train)
+            train = TrainData(x=pool.x[start:end], y=pool.y[start:end], augment=shared.dataset.augment,
+                              pool=pool, pool_start=start)
+            shared.pooled[pid] = (train, part.x_test, part.y_test)
+            start = end
 
 
 def client_runtime(context: Context) -> ClientRuntime:
@@ -202,11 +237,12 @@ def prepare_clients(contexts: list[Context]) -> None:
     """
     if len(contexts) > RUNTIME_CACHE_SIZE:
         return
-    for context in contexts:
-        try:
+    try:
+        pool_training_data(contexts)
+        for context in contexts:
             client_runtime(context)
-        except Exception:  # noqa: BLE001 - reported by the normal path, see docstring
-            return
+    except Exception:  # noqa: BLE001 - reported by the normal path, see docstring
+        return
 
 
 def _message_config(msg: Message) -> dict[str, Any]:

@@ -51,13 +51,31 @@ from fedaccel.contract import NO_EXTRAS, TrainConfig
 from fedaccel.torch_utils import state_to_arrays
 
 
+@dataclass(eq=False)
+class SamplePool:
+    """Many clients' training samples in one pair of tensors, client after
+    client (the fast runner's, built once before round 1): a client's
+    :class:`TrainData` that names it is the ``num_examples`` rows from
+    ``pool_start``, as views. The cohort trainer gathers a round's
+    mini-batches straight from it instead of concatenating the cohort's
+    data every round (a fresh 4.5 MB tensor for 100 Synthetic clients, whose
+    memory the allocator handed back to the system and faulted in again,
+    about 1,000 page faults a round)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
 @dataclass
 class TrainData:
-    """A client's training split as tensors on the training device."""
+    """A client's training split as tensors on the training device; ``pool``
+    and ``pool_start`` when ``x`` and ``y`` are rows of a :class:`SamplePool`."""
 
     x: torch.Tensor
     y: torch.Tensor
     augment: bool = False
+    pool: SamplePool | None = None
+    pool_start: int = 0
 
     @property
     def num_examples(self) -> int:

@@ -215,15 +215,16 @@ class CohortMember:
     start: list[torch.Tensor]
 
 
-def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, device: torch.device,
+                data_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """Every client's mini-batches, in its own order, step by step.
 
     ``members`` are sorted by step count, largest first, so the clients still
     training at step ``t`` are the first ``active[t]``. Returns ``rows``
     ``[K, B]``: step ``t``'s mini-batches are the next ``active[t]`` rows, one
     per active client in cohort order, as indices into the concatenated data
-    of all clients; ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
+    of all clients (or, given ``data_starts``, into data where each
+    member's samples start at its entry); ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
     epoch's last batch); ``active``; and each client's step count. ``K`` is
     the total number of client-steps, so no row is gathered for a client
     that has left. The permutations are drawn
@@ -237,13 +238,13 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int,
     # concatenated data, -1 where an epoch's last batch is padded
     first = np.cumsum([0, *steps], dtype=np.int64)
     plan = np.full(int(first[-1]) * batch_size, -1, dtype=np.int64)
-    offset = 0
-    for c, (m, n) in enumerate(zip(members, sizes)):
+    if data_starts is None:
+        data_starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64).tolist()
+    for c, (m, n, offset) in enumerate(zip(members, sizes, data_starts)):
         width = math.ceil(n / batch_size) * batch_size  # one epoch, its last batch padded
         for e in range(epochs):
             at = int(first[c]) * batch_size + e * width
             plan[at:at + n] = torch.randperm(n, generator=m.generator).numpy() + offset
-        offset += n
     plan = plan.reshape(-1, batch_size)
     # step-major: the row of (step t, client c) is start[t] + c
     active = (np.asarray(steps)[None, :] > np.arange(max(steps))[:, None]).sum(axis=1)  # [T]
@@ -292,10 +293,14 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
     order = sorted(range(len(members)), key=lambda c: -members[c].data.num_examples)
     cohort = [members[c] for c in order]
     template = cohort[0].solver  # scalars of the rule and the optimizer: the same for all
-    rows, real, active_per_step, steps = _batch_plan(cohort, epochs, batch_size, device)
+    pool = cohort[0].data.pool
+    if pool is not None and all(m.data.pool is pool for m in cohort):  # rows of one pool: gathered from it
+        x_all, y_all, data_starts = pool.x, pool.y, [m.data.pool_start for m in cohort]
+    else:
+        x_all, y_all, data_starts = torch.cat([m.data.x for m in cohort]), torch.cat([m.data.y for m in cohort]), None
+    rows, real, active_per_step, steps = _batch_plan(cohort, epochs, batch_size, device, data_starts)
     starts = np.cumsum([0, *active_per_step])[:-1].tolist()  # step t's first row (none: no steps)
-    x_all = torch.cat([m.data.x for m in cohort])
-    y_steps = torch.cat([m.data.y for m in cohort]).index_select(0, rows.view(-1)).view(rows.shape)
+    y_steps = y_all.index_select(0, rows.view(-1)).view(rows.shape)
     sample_shape = x_all.shape[1:]
     if rows.numel() * math.prod(sample_shape) * x_all.element_size() <= GATHER_ONCE_BYTES:
         # every step's mini-batches gathered at once, in step order, [K, B, ...]
