@@ -7,7 +7,10 @@ the cohort handler ``train_cohort`` and its batched steps ``train_stacked``,
 each client's ``open_round``, ``close_round`` and reply message) and prints,
 per piece, its mean milliseconds per round from round 3 on (round 0's
 evaluation and rounds 1 and 2 pay for imports and first calls, and are
-left out) and how often it ran::
+left out) and how often it ran, and how many minor page faults a round
+took (memory the allocator gave back to the system and a later
+allocation faulted in again: about 2 us each, where a round's fresh
+tensor of a few MB is not served from the heap)::
 
     python bench/round_breakdown.py scaffold          # 100 clients, all of them every round
     python bench/round_breakdown.py fedavg --rounds 60 --clients 100 --per-round 100
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
+import resource
 import statistics
 import sys
 import tempfile
@@ -136,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     originals = [(owner, name, (owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)))
                  for owner, name, _ in pieces]
     ends: list[float] = []
+    faults: list[int] = []  # the process's minor page faults so far, at each round's end
     on_round_end = experiment.Experiment.on_round_end
 
     def round_end(*a: Any, **k: Any) -> Any:
         ends.append(time.perf_counter())
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         if len(ends) == SKIPPED_ROUNDS:  # count from here
             total.clear()
             calls.clear()
@@ -168,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         scratch.cleanup()
     counted = len(ends) - SKIPPED_ROUNDS
     rounds = [b - a for a, b in zip(ends[SKIPPED_ROUNDS - 1:], ends[SKIPPED_ROUNDS:])]
+    faulted = [b - a for a, b in zip(faults[SKIPPED_ROUNDS - 1:], faults[SKIPPED_ROUNDS:])]
     print(f"# {args.algo}: {args.per_round} of {args.clients} clients a round, batched, the last {counted} "
           f"rounds: {1e3 * statistics.median(rounds):.1f} ms a round (median; mean "
-          f"{1e3 * statistics.mean(rounds):.1f} ms, the last round's evaluation included)")
+          f"{1e3 * statistics.mean(rounds):.1f} ms, the last round's evaluation included); "
+          f"{statistics.median(faulted):.0f} minor page faults a round (median)")
     print("| piece | ms per round | calls per round |")
     print("|---|---:|---:|")
     for _, _, label in pieces:

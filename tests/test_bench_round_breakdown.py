@@ -3,6 +3,8 @@ nothing patched behind."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from fakes import bench_script
 
@@ -23,6 +25,7 @@ def test_it_times_each_piece_of_every_counted_round_and_restores_them(capsys):
     assert breakdown.main(["scaffold", "--rounds", "6", "--clients", "6", "--per-round", "4", "--also", *also]) == 0
     out = capsys.readouterr().out
     assert "# scaffold: 4 of 6 clients a round, batched, the last 4 rounds:" in out
+    assert re.search(r"; \d+ minor page faults a round \(median\)\n", out)  # the process's, over the counted rounds
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.splitlines()
             if line.startswith("| ") and "piece" not in line}
     assert len(rows) == len(before) + 2 and set(also) <= set(rows)
