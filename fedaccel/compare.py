@@ -153,7 +153,7 @@ def run_state_of(path: Path, config: dict) -> tuple[str, int | None]:
     status = load_status(path)
     total = _num((status or {}).get("num_rounds")) or _num(config.get("num-server-rounds"))
     total = int(total) if total else None
-    if run_finished(path):
+    if run_finished(path, status):  # the status read above, not read again
         return "finished", total
     if status is None:
         return "unfinished", total

@@ -566,18 +566,24 @@ def load_status(run_dir: str | Path) -> dict | None:
     return status if isinstance(status, dict) else None
 
 
-def run_finished(run_dir: str | Path) -> bool:
+_UNREAD: dict = {}  # run_finished's default: read status.json itself
+
+
+def run_finished(run_dir: str | Path, status: dict | None = _UNREAD) -> bool:
     """Whether a run folder holds a finished run: a readable ``summary.json``
     and, when it has a ``status.json``, that status ``finished`` (written
     last: a run killed after its summary and before its status, or started
     again in an old folder, is not finished). Runs recorded before
-    ``status.json`` existed count by their summary."""
+    ``status.json`` existed count by their summary. ``status``: what
+    :func:`load_status` gave for this folder, when the caller read it
+    already (None: it has none)."""
     try:
         if not isinstance(json.loads((Path(run_dir) / SUMMARY_FILE).read_text(encoding="utf-8")), dict):
             return False
     except (OSError, ValueError):
         return False
-    status = load_status(run_dir)
+    if status is _UNREAD:
+        status = load_status(run_dir)
     return status is None or status.get("state") == "finished"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,6 +432,32 @@ def test_compare_reads_every_unfinished_state(tmp_path):
         "running, round 1 of 5", "finished", "unfinished, round 1 of 4"]
     live.close()
     again.close()
+
+
+def test_compare_reads_each_runs_status_once(tmp_path, monkeypatch):
+    """A finished run, a running one and one from before status.json: each
+    folder's status.json is read once (run_finished takes the status that
+    run_state_of read), and the states are what they were."""
+    import fedaccel.results as results
+
+    write_run(tmp_path / "done", {"algo": "fedavg", "seed": 0}, [0.5, 0.6])
+    live = record_unfinished(tmp_path / "running", [0.3], 10, state=None)
+    write_run(tmp_path / "old", {"algo": "fedavg", "seed": 1}, [0.5])
+    (tmp_path / "old" / "status.json").unlink()
+    reads = []
+    load_status = results.load_status
+
+    def counted(run_dir):
+        reads.append(Path(run_dir).name)
+        return load_status(run_dir)
+
+    monkeypatch.setattr(results, "load_status", counted)
+    monkeypatch.setattr(compare, "load_status", counted)
+    runs = compare.load_runs([tmp_path / n for n in ("done", "running", "old")])
+    assert [r.progress if not r.finished else "finished" for r in runs] == [
+        "finished", "running, round 1 of 10", "finished"]
+    assert sorted(reads) == ["done", "old", "running"]
+    live.close()
 
 
 def test_group_seeds_counts_a_repeated_seed_once(tmp_path, capsys):
