@@ -240,12 +240,21 @@ def summarize(rows: list[dict], target_accuracy: float | None) -> dict:
 # plotting
 # --------------------------------------------------------------------------- #
 def _new_figure(ncols: int = 2, width: float = 11.0, height: float = 4.2):
-    """A pyplot-free Figure on the Agg canvas (no display, nothing to close)."""
+    """A pyplot-free Figure on the Agg canvas (no display, nothing to close).
+
+    Fixed margins, not ``layout="constrained"``: every run draws its curves
+    when it ends, and the constrained layout (which measures every label
+    first) made that 0.33 s against 0.19 s (an 11 x 4.2 inch figure of two
+    panels, 2-core CPU), a fifth of the quick test tier's time. The margins
+    leave room for the axis labels beside tick labels of up to six
+    characters ("0.9125"); matplotlib's tick formatter moves longer ones into an
+    offset."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), layout="constrained")
+    fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.075, right=0.985, bottom=0.12, top=0.85, wspace=0.24)
     axes = fig.subplots(1, ncols)
     return fig, axes
 
@@ -272,6 +281,11 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    curves_figure(rows, title).savefig(path, dpi=110)
+
+
+def curves_figure(rows: list[dict], title: str = ""):
+    """The figure :func:`plot_curves` writes (a matplotlib ``Figure``)."""
     fig, (ax_round, ax_mb) = _new_figure()
     mbs = cumulative_mb(rows)
 
@@ -294,7 +308,7 @@ def plot_curves(rows: list[dict], path: Path, title: str = "") -> None:
         ax_round.legend(loc="lower right", fontsize="small")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def progress_line(row: dict, num_rounds: int) -> str:
