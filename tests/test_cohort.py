@@ -353,6 +353,47 @@ def test_a_cohort_whose_data_are_rows_of_one_pool_trains_to_the_same_bits(algo, 
                    for n in a for k in a[n])
 
 
+@pytest.mark.parametrize("mix", ["one-client-unpooled", "two-pools"])
+def test_a_cohort_of_rows_of_more_than_one_pool_trains_each_client_on_its_own_samples(mix) -> None:
+    """A cohort whose members are not all rows of one pool (one client with
+    tensors of its own, or rows of two pools) is trained on each member's own
+    samples: the same bits as from the clients' own tensors. The largest
+    client, the trainer's first, is a pool's, so a trainer that took the
+    first member's pool for everyone would train the others on its rows."""
+    cfg = run_cfg("fedavg", **{"batch-size": 16, "local-epochs": 2})
+    model, datas = make_model(), clients()
+    some = sorted([1, 3, 4, 6], key=lambda c: -datas[c].num_examples)
+    first, second = pooled(datas), pooled(datas, lead=5)
+    if mix == "one-client-unpooled":
+        members = [first[c] for c in some[:-1]] + [datas[some[-1]]]
+    else:
+        members = [first[c] for c in some[:2]] + [second[c] for c in some[2:]]
+    own = cohort_round(cfg, model, [datas[c] for c in some], [ContextState(RecordDict()) for _ in some], 1)
+    mixed = cohort_round(cfg, model, members, [ContextState(RecordDict()) for _ in some], 1)
+    assert own[1] == mixed[1]
+    for a, b in zip(own[0], mixed[0]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_rows_of_a_pool_must_be_the_rows_their_start_names() -> None:
+    """``TrainData`` refuses ``pool_start`` that is not where its tensors'
+    rows are in the pool (the trainer gathers by ``pool_start``), or tensors
+    that are not rows of the pool at all."""
+    datas = clients()
+    rows = pooled(datas)
+    d = rows[2]
+    TrainData(x=d.x, y=d.y, pool=d.pool, pool_start=d.pool_start)  # as built: accepted
+    with pytest.raises(ValueError, match="pool_start"):
+        TrainData(x=d.x, y=d.y, pool=d.pool, pool_start=d.pool_start + 1)
+    with pytest.raises(ValueError, match="pool_start"):
+        TrainData(x=d.x.clone(), y=d.y, pool=d.pool, pool_start=d.pool_start)
+    with pytest.raises(ValueError, match="pool_start"):
+        TrainData(x=d.x, y=d.y.clone(), pool=d.pool, pool_start=d.pool_start)
+    empty = TrainData(x=d.pool.x[len(d.pool.x):], y=d.pool.y[len(d.pool.y):], pool=d.pool,
+                      pool_start=len(d.pool.x))  # a client without samples: the pool's end
+    assert empty.num_examples == 0
+
+
 def test_a_rounds_nll_gradients_are_each_steps_scatter_of_the_label_gradients(monkeypatch) -> None:
     """``round_nll_gradients``: ``label_grad`` at each label, zeros elsewhere,
     ``[K, classes, B]`` (by hand on 2 mini-batches of 3 classes); None past

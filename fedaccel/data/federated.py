@@ -95,6 +95,10 @@ class FederatedDataset:
         rows = np.sort(np.concatenate(self._train_idx))
         return self._transform(self._pool_x[rows]), self._pool_y[rows]
 
+    def train_sizes(self) -> list[int]:
+        """Each client's training samples (``len(client(i).y_train)``)."""
+        return [len(a) for a in self._train_idx]
+
     def partition_sizes(self) -> list[int]:
         """Total samples per client (train + local test)."""
         return [len(a) + len(b) for a, b in zip(self._train_idx, self._test_idx)]
