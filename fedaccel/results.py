@@ -246,15 +246,15 @@ def _new_figure(ncols: int = 2, width: float = 11.0, height: float = 4.2):
     when it ends, and the constrained layout (which measures every label
     first) made that 0.33 s against 0.19 s (an 11 x 4.2 inch figure of two
     panels, 2-core CPU), a fifth of the quick test tier's time. The margins
-    leave room for the axis labels beside tick labels of up to six
-    characters ("0.9125"); matplotlib's tick formatter moves longer ones into an
-    offset."""
+    leave room for the axis labels beside the widest tick labels an
+    accuracy curve gets (eight characters, "0.899950" for a curve that moves
+    by a few millionths; matplotlib puts narrower ranges in an offset)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
-    fig.subplots_adjust(left=0.075, right=0.985, bottom=0.12, top=0.85, wspace=0.24)
+    fig.subplots_adjust(left=0.09, right=0.985, bottom=0.12, top=0.85, wspace=0.26)
     axes = fig.subplots(1, ncols)
     return fig, axes
 

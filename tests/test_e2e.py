@@ -282,6 +282,38 @@ def test_the_fast_runners_clients_train_on_rows_of_one_pool_with_their_own_value
     assert again.train.pool is pool and torch.equal(again.test_x, torch.from_numpy(own.x_test))
 
 
+def test_a_pool_that_fails_part_way_is_dropped_and_the_clients_are_prepared_without_it(tmp_path, monkeypatch):
+    """Pooling is an optimisation: when a client's data fails while the pool
+    fills (here once, as a flaky read would), no client keeps rows of the
+    half-filled pool (its unfilled rows would stay allocated), and
+    prepare_clients still builds every client's runtime, with its own
+    tensors and its own values."""
+    import fedaccel.apps.client_app as client_app
+    from fedaccel.local_grid import LocalGrid
+
+    client_app._runtime.cache_clear()
+    client_app._shared.cache_clear()
+    grid = LocalGrid(client_app.app, small_config(tmp_path), num_clients=6)
+    contexts = list(grid.contexts.values())
+    shared = client_app._shared(client_app._freeze(contexts[0].run_config), 6, "")
+    real_client, failed = shared.dataset.client, []
+
+    def client_failing_once(i):
+        if i == 3 and not failed:
+            failed.append(i)
+            raise OSError("a flaky read")
+        return real_client(i)
+
+    monkeypatch.setattr(shared.dataset, "client", client_failing_once)
+    client_app.prepare_clients(contexts)
+    assert failed and not shared.pooled
+    assert client_app._runtime.cache_info().currsize == 6  # every client prepared all the same
+    for context in contexts:
+        rt = client_app.client_runtime(context)
+        own = real_client(rt.partition_id)
+        assert rt.train.pool is None and torch.equal(rt.train.x, torch.from_numpy(own.x_train))
+
+
 def test_the_pool_is_filled_one_client_at_a_time(tmp_path):
     """Building the pool holds about one client's arrays at a time beside it
     (NumPy's allocations, traced; the pool itself is torch's): concatenated,

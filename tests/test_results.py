@@ -201,14 +201,17 @@ def test_plot_curves_empty_rows(tmp_path):
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("step", [0.02, 0.0005, 0.00001])  # tick labels "0.9", "0.9125", "0.9100"
-def test_every_label_of_the_curves_lies_inside_the_figure(step):
+@pytest.mark.parametrize("base, step", [(0.91, 0.0005), (0.91, 0.00001), (0.89995, 0.000001), (0.1135, 0.0001),
+                                        (0.1135, 0.0), (0.0, 0.002), (0.99, 0.0000001)])
+def test_every_label_of_the_curves_lies_inside_the_figure(base, step):
     """The curves' fixed margins (no constrained layout, which cost 0.14 s a
-    run) keep every tick label, axis label and title inside the figure, for
-    the tick labels an accuracy curve gets, up to six characters wide, and
-    a communication axis in the gigabytes (matplotlib's "1e6" offset)."""
-    rows = [{"round": r, "accg": 0.91 + r * step, "accl": 0.9 if r % 50 == 0 else None,
-             "bytes_up": 3.3e9, "bytes_down": 3.3e9} for r in range(401)]
+    run) keep every tick label, axis label and title inside the figure, and
+    the right panel's off the left one, for the tick labels accuracy curves
+    get ("0.9", "0.9125", a curve that flickers between two values such as
+    "0.11350", one that moves by millionths), and a communication axis in
+    the gigabytes (matplotlib's "1e6" offset)."""
+    rows = [{"round": r, "accg": base + (r % 7) * step if r % 2 else base + r * step,
+             "accl": base if r % 50 == 0 else None, "bytes_up": 3.3e9, "bytes_down": 3.3e9} for r in range(401)]
     fig = curves_figure(rows, title="fedavg (run-2026-12-06-210000-abcdef)")
     fig.draw_without_rendering()  # places the labels, as saving does
     renderer = fig.canvas.get_renderer()
@@ -218,6 +221,8 @@ def test_every_label_of_the_curves_lies_inside_the_figure(step):
                           ("title", ax.title.get_window_extent(renderer))]:
             assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, \
                 (part, box, inside)
+    left, right = fig.axes
+    assert left.get_window_extent(renderer).x1 < right.yaxis.get_tightbbox(renderer).x0  # the panels apart
     box = fig.get_tightbbox(renderer)  # inches
     assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.get_figwidth() and box.y1 <= fig.get_figheight(), box
 

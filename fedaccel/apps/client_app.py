@@ -213,22 +213,28 @@ def pool_training_data(contexts: list[Context]) -> None:
         if not pids:
             continue
         sizes = shared.dataset.train_sizes()
-        total, pool, start = sum(sizes[pid] for pid in pids), None, 0
-        for pid in pids:
-            part = shared.dataset.client(pid)
-            x, y = torch.from_numpy(part.x_train), torch.from_numpy(part.y_train)
-            if pool is None:  # the samples' dtype and shape: the first client's
-                pool = SamplePool(x=torch.empty((total, *x.shape[1:]), dtype=x.dtype, device=shared.device),
-                                  y=torch.empty((total,), dtype=y.dtype, device=shared.device))
-            end = start + sizes[pid]
-            if len(y) != sizes[pid] or len(x) != sizes[pid]:  # (copy_ would broadcast a single row)
-                raise RuntimeError(f"client {pid} has {len(y)} training samples, its dataset said {sizes[pid]}")
-            pool.x[start:end].copy_(x)
-            pool.y[start:end].copy_(y)
-            train = TrainData(x=pool.x[start:end], y=pool.y[start:end], augment=shared.dataset.augment,
-                              pool=pool, pool_start=start)
-            shared.pooled[pid] = (train, part.x_test, part.y_test)
-            start = end
+        total, pool, start, filled = sum(sizes[pid] for pid in pids), None, 0, []
+        try:
+            for pid in pids:
+                part = shared.dataset.client(pid)
+                x, y = torch.from_numpy(part.x_train), torch.from_numpy(part.y_train)
+                if pool is None:  # the samples' dtype and shape: the first client's
+                    pool = SamplePool(x=torch.empty((total, *x.shape[1:]), dtype=x.dtype, device=shared.device),
+                                      y=torch.empty((total,), dtype=y.dtype, device=shared.device))
+                end = start + sizes[pid]
+                if len(y) != sizes[pid] or len(x) != sizes[pid]:  # (copy_ would broadcast a single row)
+                    raise RuntimeError(f"client {pid} has {len(y)} training samples, its dataset said {sizes[pid]}")
+                pool.x[start:end].copy_(x)
+                pool.y[start:end].copy_(y)
+                train = TrainData(x=pool.x[start:end], y=pool.y[start:end], augment=shared.dataset.augment,
+                                  pool=pool, pool_start=start)
+                shared.pooled[pid] = (train, part.x_test, part.y_test)
+                filled.append(pid)
+                start = end
+        except BaseException:
+            for pid in filled:  # a pool filled in part is not kept: its clients get tensors of their own
+                del shared.pooled[pid]
+            raise
 
 
 def client_runtime(context: Context) -> ClientRuntime:
