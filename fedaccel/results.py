@@ -246,10 +246,10 @@ def _new_figure(ncols: int = 2, width: float = 11.0, height: float = 4.2):
     when it ends, and the constrained layout (which measures every label
     first) made that 0.33 s against 0.19 s (an 11 x 4.2 inch figure of two
     panels, 2-core CPU; drawing the curves was 30 % of the quick test
-    tier's time, by a py-spy sample). The margins
-    leave room for the axis labels beside the widest tick labels an
-    accuracy curve gets (eight characters, "0.899950" for a curve that moves
-    by a few millionths; matplotlib puts narrower ranges in an offset)."""
+    tier's time, by a py-spy sample). The margins leave room for the axis
+    labels beside the widest tick labels an accuracy curve gets (eight
+    characters, "0.899950" for a curve that moves by a few millionths;
+    matplotlib puts narrower ranges in an offset)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -247,23 +247,33 @@ def test_fast_runner_prepares_every_clients_data_before_round_one(tmp_path, monk
     assert built_before_start == [5]
 
 
+def fresh_clients(tmp_path, num_clients: int, **overrides):
+    """The fast runner's clients of a small run in this process, with the
+    client app's caches emptied first: ``(contexts, shared)``, ``shared``
+    the run's :class:`fedaccel.apps.client_app._Shared` (dataset, pool)."""
+    import fedaccel.apps.client_app as client_app
+    from fedaccel.local_grid import LocalGrid
+
+    client_app._runtime.cache_clear()
+    client_app._shared.cache_clear()
+    grid = LocalGrid(client_app.app, small_config(tmp_path, **overrides), num_clients=num_clients)
+    contexts = list(grid.contexts.values())
+    return contexts, client_app._shared(client_app._freeze(contexts[0].run_config), num_clients, "")
+
+
 def test_the_fast_runners_clients_train_on_rows_of_one_pool_with_their_own_values(tmp_path):
     """prepare_clients puts every client's training data into one
     SamplePool (the cohort trainer gathers from it without concatenating):
     each client's tensors are its rows, with the values the dataset gives
     that client, and its local test split is its own."""
     import fedaccel.apps.client_app as client_app
-    from fedaccel.local_grid import LocalGrid
 
-    client_app._runtime.cache_clear()
-    client_app._shared.cache_clear()
-    grid = LocalGrid(client_app.app, small_config(tmp_path), num_clients=5)
-    contexts = list(grid.contexts.values())
+    contexts, shared = fresh_clients(tmp_path, 5)
     client_app.prepare_clients(contexts)
     runtimes = [client_app.client_runtime(context) for context in contexts]
     pool = runtimes[0].train.pool
     assert pool is not None and all(rt.train.pool is pool for rt in runtimes)
-    dataset = client_app._shared(client_app._freeze(contexts[0].run_config), 5, "").dataset
+    dataset = shared.dataset
     covered = 0
     for rt in runtimes:
         own = dataset.client(rt.partition_id)
@@ -274,7 +284,6 @@ def test_the_fast_runners_clients_train_on_rows_of_one_pool_with_their_own_value
         assert torch.equal(rt.test_x, torch.from_numpy(own.x_test))
         covered += n
     assert covered == len(pool.y)
-    shared = client_app._shared(client_app._freeze(contexts[0].run_config), 5, "")
     assert all(x_test is None and y_test is None for _, x_test, y_test in shared.pooled.values())  # the runtimes hold them
     client_app._runtime.cache_clear()  # dropped: a runtime built again is still the pool's rows, with its test split
     again = client_app.client_runtime(contexts[2])
@@ -289,13 +298,8 @@ def test_a_pool_that_fails_part_way_is_dropped_and_the_clients_are_prepared_with
     prepare_clients still builds every client's runtime, with its own
     tensors and its own values."""
     import fedaccel.apps.client_app as client_app
-    from fedaccel.local_grid import LocalGrid
 
-    client_app._runtime.cache_clear()
-    client_app._shared.cache_clear()
-    grid = LocalGrid(client_app.app, small_config(tmp_path), num_clients=6)
-    contexts = list(grid.contexts.values())
-    shared = client_app._shared(client_app._freeze(contexts[0].run_config), 6, "")
+    contexts, shared = fresh_clients(tmp_path, 6)
     real_client, failed = shared.dataset.client, []
 
     def client_failing_once(i):
@@ -321,20 +325,14 @@ def test_the_pool_is_filled_one_client_at_a_time(tmp_path):
     import tracemalloc
 
     import fedaccel.apps.client_app as client_app
-    from fedaccel.local_grid import LocalGrid
 
-    client_app._runtime.cache_clear()
-    client_app._shared.cache_clear()
-    grid = LocalGrid(client_app.app, small_config(tmp_path, **{"synthetic.max-samples": 4000}), num_clients=20)
-    contexts = list(grid.contexts.values())
-    client_app._shared(client_app._freeze(contexts[0].run_config), 20, "")  # the dataset, before tracing
+    contexts, shared = fresh_clients(tmp_path, 20, **{"synthetic.max-samples": 4000})  # the dataset, before tracing
     tracemalloc.start()
     try:
         client_app.pool_training_data(contexts)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    shared = client_app._shared(client_app._freeze(contexts[0].run_config), 20, "")
     pool = shared.pooled[0][0].pool
     pool_bytes = pool.x.numel() * pool.x.element_size() + pool.y.numel() * pool.y.element_size()
     largest = max(sum(a.nbytes for a in vars(shared.dataset.client(i)).values()) for i in range(20))

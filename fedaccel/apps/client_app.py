@@ -200,8 +200,9 @@ def pool_training_data(contexts: list[Context]) -> None:
     :class:`TrainData` its rows: the same values, one tensor. Called before
     their runtimes are built (:func:`prepare_clients`); a runtime built
     before keeps its own tensors. The pool is filled one client at a time,
-    so at most one client's arrays live beside it (concatenated, every
-    client's arrays and the pool lived at once: 2.3 times the pool)."""
+    so about one client's arrays live beside it (1.25 times the largest
+    client's, measured; concatenated, every client's arrays and the pool
+    lived at once: 2.3 times the pool)."""
     groups: dict[tuple, list[int]] = {}
     for context in contexts:
         if not node_data_path(context):
