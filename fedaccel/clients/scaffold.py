@@ -311,7 +311,8 @@ def drift_gradient(theta: T, x: T, h_i: T, alpha: float) -> T:
     """Gradient of ``alpha/2 ||theta - (x - h_i)||^2``: ``alpha (theta - x + h_i)``,
     formed in the one new array ``theta - x`` (the same operations in the
     same order, in place: where the cohort trainer applies it to a whole
-    cohort a step, three new arrays cost about a third more)."""
+    cohort a step, three new arrays made FedDC's rule and step about a
+    third slower, its batched steps about 7 %)."""
     drift = theta - x  # type: ignore[operator]
     drift += h_i
     drift *= alpha
