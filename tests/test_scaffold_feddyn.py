@@ -250,6 +250,21 @@ def test_feddc_rules_by_hand():
     assert drift_sum_update(1.0, 3.0) == 4.0 and feddc_server_model(2.0, 3.0, 4) == 2.75
 
 
+def test_feddc_drift_gradient_leaves_its_inputs_alone_and_is_the_formula_bit_for_bit():
+    """The drift is formed in place in one new array: on a cohort's stacks
+    (the anchor expanded over the clients, as the cohort trainer passes it)
+    it is ``alpha * (theta - x + h_i)`` to the bit, and none of the three
+    inputs changes."""
+    gen = torch.Generator().manual_seed(0)
+    theta, h_i = torch.randn(5, 3, 4, generator=gen), torch.randn(5, 3, 4, generator=gen)
+    x = torch.randn(3, 4, generator=gen).expand(5, 3, 4)
+    before = [t.clone() for t in (theta, x, h_i)]
+    got = drift_gradient(theta, x, h_i, 0.37)
+    assert torch.equal(got, 0.37 * (before[0] - before[1] + before[2]))
+    assert all(torch.equal(t, b) for t, b in zip((theta, x, h_i), before))
+    assert got.data_ptr() not in {t.data_ptr() for t in (theta, x, h_i)}
+
+
 def test_feddc_steps_through_momentum_and_new_state_by_hand():
     """alpha 0.5, x = [0, 2], c = [1, 0], c_i = [0, 2], h_i = [1, -1], lr 0.1,
     momentum 0.5, task gradients [1, 1] then [2, 0]."""
