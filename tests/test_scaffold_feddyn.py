@@ -250,19 +250,23 @@ def test_feddc_rules_by_hand():
     assert drift_sum_update(1.0, 3.0) == 4.0 and feddc_server_model(2.0, 3.0, 4) == 2.75
 
 
-def test_feddc_drift_gradient_leaves_its_inputs_alone_and_is_the_formula_bit_for_bit():
-    """The drift is formed in place in one new array: on a cohort's stacks
-    (the anchor expanded over the clients, as the cohort trainer passes it)
-    it is ``alpha * (theta - x + h_i)`` to the bit, and none of the three
-    inputs changes."""
+@pytest.mark.parametrize("rule, formula", [
+    (drift_gradient, lambda theta, x, h, alpha: alpha * (theta - x + h)),  # FedDC's: + h_i
+    (dynamic_gradient, lambda theta, x, h, alpha: alpha * (theta - x) - h),  # FedDyn's: - grad_prev
+], ids=["feddc-drift", "feddyn-dynamic"])
+def test_a_per_step_pull_formed_in_place_leaves_its_inputs_alone_and_is_the_formula_bit_for_bit(rule, formula):
+    """FedDC's drift and FedDyn's dynamic gradient are formed in place in one
+    new array: on a cohort's stacks (the anchor expanded over the clients,
+    as the cohort trainer passes it) each is its formula to the bit, and
+    none of the three inputs changes."""
     gen = torch.Generator().manual_seed(0)
-    theta, h_i = torch.randn(5, 3, 4, generator=gen), torch.randn(5, 3, 4, generator=gen)
+    theta, third = torch.randn(5, 3, 4, generator=gen), torch.randn(5, 3, 4, generator=gen)
     x = torch.randn(3, 4, generator=gen).expand(5, 3, 4)
-    before = [t.clone() for t in (theta, x, h_i)]
-    got = drift_gradient(theta, x, h_i, 0.37)
-    assert torch.equal(got, 0.37 * (before[0] - before[1] + before[2]))
-    assert all(torch.equal(t, b) for t, b in zip((theta, x, h_i), before))
-    assert got.data_ptr() not in {t.data_ptr() for t in (theta, x, h_i)}
+    before = [t.clone() for t in (theta, x, third)]
+    got = rule(theta, x, third, 0.37)
+    assert torch.equal(got, formula(*before, 0.37))
+    assert all(torch.equal(t, b) for t, b in zip((theta, x, third), before))
+    assert got.data_ptr() not in {t.data_ptr() for t in (theta, x, third)}
 
 
 def test_feddc_steps_through_momentum_and_new_state_by_hand():

@@ -31,8 +31,15 @@ T = TypeVar("T")
 
 
 def dynamic_gradient(theta: T, theta_server: T, grad_prev: T, alpha: float) -> T:
-    """Gradient of ``-<grad_prev, theta> + alpha/2 ||theta - theta_server||^2``."""
-    return alpha * (theta - theta_server) - grad_prev  # type: ignore[operator]
+    """Gradient of ``-<grad_prev, theta> + alpha/2 ||theta - theta_server||^2``:
+    ``alpha (theta - theta_server) - grad_prev``, formed in the one new array
+    ``theta - theta_server`` (the same operations in the same order, in
+    place, as FedDC's :func:`fedaccel.clients.scaffold.drift_gradient`: the
+    cohort trainer applies it to a whole cohort every step)."""
+    drift = theta - theta_server  # type: ignore[operator]
+    drift *= alpha
+    drift -= grad_prev
+    return drift
 
 
 def grad_prev_update(grad_prev: T, theta_local: T, theta_server: T, alpha: float) -> T:
@@ -72,8 +79,9 @@ class FedDynSolver(StackedStateSolver):
         return {"anchor": anchor, "grad_prev": grad_prev}
 
     def gradient_rule(self, w: torch.Tensor, g: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``g + alpha (w - w^t) - grad_prev`` (:func:`dynamic_gradient`)."""
-        return g + dynamic_gradient(w, tensors["anchor"], tensors["grad_prev"], self.alpha)
+        """``g + alpha (w - w^t) - grad_prev`` (:func:`dynamic_gradient`); ``g``
+        updated in place (the value ``g + ...`` gives, without a new tensor and a copy)."""
+        return g.add_(dynamic_gradient(w, tensors["anchor"], tensors["grad_prev"], self.alpha))
 
     def end_round(self, model: torch.nn.Module, state: ClientState) -> dict:
         if self.store_formed(state) is not None:  # the cohort trainer's (cohort_after_steps): one flat row
