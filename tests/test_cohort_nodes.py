@@ -244,12 +244,20 @@ def test_a_cohort_node_trains_its_slice_as_one_batch(tmp_path, monkeypatch):
     model (equal to training the clients alone to float32 rounding)."""
     import fedaccel.apps.client_app as ca
 
-    sizes = []
+    sizes, pools = [], set()
     real = ca.fit_cohort
-    monkeypatch.setattr(ca, "fit_cohort", lambda model, jobs, *a, **k: sizes.append(len(jobs)) or real(model, jobs, *a, **k))
+
+    def counted(model, jobs, *a, **k):
+        sizes.append(len(jobs))
+        pools.update(id(job.data.pool) for job in jobs)
+        return real(model, jobs, *a, **k)
+
+    monkeypatch.setattr(ca, "fit_cohort", counted)
     kw = {"algo": "fedprox", "clients-per-round": 8}
     model, rows = _run(tmp_path, "batched", 3, **kw, **{"logical-clients": 12, "cohort-batching": "on"})
     assert len(sizes) == 9 and sum(sizes) == 3 * 8 and max(sizes) > 1  # 3 rounds x 3 nodes
+    # the fast runner pooled the 12 logical clients' data before round 1 (not its 3 nodes' partitions)
+    assert len(pools) == 1 and id(None) not in pools
     ref_model, ref_rows = _run(tmp_path, "alone", 12, **kw)
     for k in ref_model:
         np.testing.assert_allclose(model[k], ref_model[k], atol=2e-5, rtol=1e-4)
@@ -273,6 +281,57 @@ def test_the_fast_runner_says_once_how_its_cohort_nodes_train(tmp_path, capsys, 
         run_local({**config, "run-name": f"{algo}-{quiet}"}, 2, quiet=quiet)
         lines = [line + "\n" for line in capsys.readouterr().err.splitlines() if "cohort nodes" in line]
         assert lines == ([] if quiet else [says])
+
+
+def test_a_cohort_node_pools_the_clients_it_serves_at_its_first_envelope(tmp_path, monkeypatch):
+    """A cohort node (as under ``flwr run``: slot 1 of 3 nodes, 9 logical
+    clients) turns the training data of the clients it serves (1, 4, 7) and
+    no other into one sample pool at its first envelope, an evaluation here,
+    before any of them has a runtime; its training slices are then gathered
+    from that pool (not concatenated every round). A second node process of
+    the same slot (a restart) does not pool them again."""
+    import fedaccel.apps.client_app as ca
+    from flwr.app import Context
+
+    config = fuse(default_run_config(), {"algo": "fedavg", "logical-clients": 9, "cohort-batching": "on",
+                                         "synthetic.max-samples": 80, "results-dir": str(tmp_path)})
+    shared = ca._shared(ca._freeze(config), 9, "")
+    assert not shared.pooled
+    arrays = ArrayRecord(shared.model.state_dict())
+
+    def envelope(kind, partitions, rnd):
+        messages = [Message(RecordDict({"arrays": arrays, "config": ConfigRecord(
+            {"server-round": rnd, "lr": 0.05, "local-epochs": 1})}),
+                            logical_node_id(p), kind) for p in partitions]
+        env = Message(pack_envelope(messages, 9), 5, f"{kind}.cohort")
+        env.metadata.__dict__["_message_id"] = f"{kind}-{rnd}"
+        return env
+
+    def node(node_id):
+        return Context(run_id=1, node_id=node_id, node_config={"partition-id": 1, "num-partitions": 3},
+                       state=RecordDict(), run_config=config)
+
+    context = node(5)
+    reply = ca.evaluate_logical_clients(envelope("evaluate", [4], 0), context)
+    assert not reply.has_error() and not any(r.has_error() for r in unpack_replies(reply.content, [
+        Message(RecordDict(), logical_node_id(4), "evaluate")]))
+    assert sorted(shared.pooled) == [1, 4, 7]
+    pool = shared.pooled[1][0].pool
+    sizes = shared.dataset.train_sizes()
+    assert pool is not None and len(pool.y) == sizes[1] + sizes[4] + sizes[7]
+    assert all(shared.pooled[p][0].pool is pool for p in (4, 7))
+    assert ca.client_runtime(ca.logical_clients(envelope("evaluate", [4], 0), context)[0][1]).train.pool is pool
+
+    seen = []
+    real = ca.fit_cohort
+    monkeypatch.setattr(ca, "fit_cohort", lambda model, jobs, *a, **k: seen.extend(
+        job.data.pool for job in jobs) or real(model, jobs, *a, **k))
+    for rnd, node_id in ((1, 5), (2, 6)):  # node 6: the slot's node after a restart
+        reply = ca.train_logical_clients(envelope("train", [1, 7], rnd), node(node_id) if node_id == 6 else context)
+        replies = unpack_replies(reply.content, [Message(RecordDict(), logical_node_id(p), "train") for p in (1, 7)])
+        assert not any(r.has_error() for r in replies)
+    assert len(seen) == 4 and all(p is pool for p in seen)
+    assert sorted(shared.pooled) == [1, 4, 7] and all(shared.pooled[p][0].pool is pool for p in (1, 4, 7))
 
 
 def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):

@@ -39,7 +39,8 @@ from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fal
                                      own_batched, slower_reason, unbatchable_error)
 from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
-from fedaccel.cohort_nodes import COHORT_ACTION, client_state, keep_client_state, logical_messages, pack_replies
+from fedaccel.cohort_nodes import (COHORT_ACTION, client_state, keep_client_state, logical_messages,
+                                   logical_node_id, pack_replies)
 from fedaccel.client_errors import exception_reply, log_raised, node_label
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
 from fedaccel.arrays import load_into, metric_record, record_dict, records_of
@@ -124,6 +125,8 @@ class _Shared:
     # partition -> its training data as rows of one SamplePool, and its
     # local test split (filled by pool_training_data, read by _runtime)
     pooled: dict[int, tuple[TrainData, Any, Any]] = field(default_factory=dict)
+    # the cohort nodes (their node config) whose clients pool_served_clients has pooled
+    pooled_nodes: set[tuple] = field(default_factory=set)
 
 
 @lru_cache(maxsize=4)
@@ -243,6 +246,60 @@ def client_runtime(context: Context) -> ClientRuntime:
     return _runtime(_freeze(context.run_config), pid, n, node_data_path(context))
 
 
+def _logical_clients_of(run_config: dict[str, Any]) -> int:
+    """The run's ``logical-clients`` (0: each node is one client), read
+    without building the node's runtime; a value that is not a count is 0
+    here (the server refuses it with its one line)."""
+    value = run_config.get("logical-clients", 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _logical_context(context: Context, partition_id: int, num_partitions: int, node_id: int,
+                     state: RecordDict) -> Context:
+    """The Context of logical client ``partition_id`` served by the node of ``context``."""
+    return Context(run_id=context.run_id, node_id=node_id,
+                   node_config={**dict(context.node_config), "partition-id": partition_id,
+                                "num-partitions": num_partitions},
+                   state=state, run_config=context.run_config)
+
+
+def served_contexts(context: Context) -> list[Context]:
+    """The clients the node of ``context`` serves, each as a Context naming
+    its partition: the node itself, or on a cohort node (``logical-clients =
+    N``, slot ``k`` of ``W``) the logical clients ``p < N`` with ``p % W ==
+    k`` (:mod:`fedaccel.cohort_nodes`), whose envelopes it will get."""
+    num_logical = _logical_clients_of(context.run_config)
+    if not num_logical or node_data_path(context):
+        return [context]
+    slot, num_nodes = node_partition(context)
+    return [_logical_context(context, pid, num_logical, logical_node_id(pid), RecordDict())
+            for pid in range(slot, num_logical, num_nodes)]
+
+
+def pool_served_clients(context: Context) -> None:
+    """On a cohort node's first envelope in this process, the training data
+    of every client it serves as one :class:`SamplePool` (as the fast runner
+    pools its clients before round 1), so each round's slice is gathered
+    from the pool instead of concatenated. Best effort and once per node and
+    run: a client whose data cannot be built gets its error when it trains;
+    more clients than the runtime cache holds are not pooled (the cache
+    would drop most of their runtimes before they train again)."""
+    try:
+        num_logical = _logical_clients_of(context.run_config)
+        if not num_logical or node_data_path(context):
+            return
+        shared = _shared(_freeze(context.run_config), num_logical, "")
+        node = tuple(sorted(context.node_config.items()))
+        if node in shared.pooled_nodes:
+            return
+        shared.pooled_nodes.add(node)
+        clients = served_contexts(context)
+        if len(clients) <= RUNTIME_CACHE_SIZE:
+            pool_training_data(clients)
+    except Exception:  # noqa: BLE001 - each client's own train() or evaluate() reports it
+        pass
+
+
 def prepare_clients(contexts: list[Context]) -> None:
     """Build every client's data tensors now, if all fit in the runtime cache.
 
@@ -253,8 +310,13 @@ def prepare_clients(contexts: list[Context]) -> None:
     bad config or missing data stops here silently and is reported, with the
     ServerApp's one-line message, when the first round reaches the client.
     With more than ``RUNTIME_CACHE_SIZE`` clients nothing is built: the cache
-    would evict most of them before their first round.
+    would evict most of them before their first round. The clients of a
+    cohort node are the logical clients it serves (:func:`served_contexts`).
     """
+    try:
+        contexts = [client for context in contexts for client in served_contexts(context)]
+    except Exception:  # noqa: BLE001 - a bad node config: reported by the normal path, see docstring
+        return
     if len(contexts) > RUNTIME_CACHE_SIZE:
         return
     try:
@@ -445,13 +507,9 @@ def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Conte
     if node_data_path(context):
         raise config_error("logical-clients", "> 0", "logical clients are partitions of the run's dataset; "
                            "a node with its own data-path is one client (set logical-clients=0)")
-    items = []
-    for pid, num, message in logical_messages(msg):
-        items.append((message, Context(
-            run_id=context.run_id, node_id=message.metadata.dst_node_id,
-            node_config={**dict(context.node_config), "partition-id": pid, "num-partitions": num},
-            state=client_state(context.state, pid), run_config=context.run_config)))
-    return items
+    return [(message, _logical_context(context, pid, num, message.metadata.dst_node_id,
+                                       client_state(context.state, pid)))
+            for pid, num, message in logical_messages(msg)]
 
 
 def _serve_logical_clients(msg: Message, context: Context,
@@ -463,6 +521,7 @@ def _serve_logical_clients(msg: Message, context: Context,
     and cannot) is the envelope's error reply, hence every client's."""
     try:
         items = logical_clients(msg, context)
+        pool_served_clients(context)
         replies, note = serve(items)
     except REPLY_ERRORS as err:
         return user_error_reply(msg, context, err)
