@@ -155,7 +155,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
-    from fedaccel.apps.client_app import app as client_app, cohort_fallback, cohort_note, prepare_clients, train_cohort
+    from fedaccel.apps.client_app import (app as client_app, cohort_fallback, cohort_note, prepare_clients,
+                                          served_contexts, train_cohort)
     from fedaccel.clients.state import claim_state_run_dir, remove_orphaned_state_dirs, state_run_dir
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
@@ -174,7 +175,13 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
         claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
-        grid.cohort_trainer = choose_cohort_trainer(cfg, grid, cohort_fallback, train_cohort, quiet, cohort_note)
+        def of_first_client(ask: Callable[[Context], Any]) -> Callable[[Context], Any]:
+            # a cohort node's question goes to its first logical client (the node's own
+            # context names a partition of a dataset split W ways, which no client trains on)
+            return lambda node: ask((served_contexts(node) or [node])[0])
+
+        grid.cohort_trainer = choose_cohort_trainer(cfg, grid, of_first_client(cohort_fallback), train_cohort,
+                                                    quiet, of_first_client(cohort_note))
         context = Context(run_id=grid.run.run_id, node_id=0, node_config={QUIET: quiet},
                           state=RecordDict(), run_config=run_config)
         grid.serve(server_app, context)

@@ -283,55 +283,43 @@ def test_the_fast_runner_says_once_how_its_cohort_nodes_train(tmp_path, capsys, 
         assert lines == ([] if quiet else [says])
 
 
-def test_a_cohort_node_pools_the_clients_it_serves_at_its_first_envelope(tmp_path, monkeypatch):
-    """A cohort node (as under ``flwr run``: slot 1 of 3 nodes, 9 logical
-    clients) turns the training data of the clients it serves (1, 4, 7) and
-    no other into one sample pool at its first envelope, an evaluation here,
-    before any of them has a runtime; its training slices are then gathered
-    from that pool (not concatenated every round). A second node process of
-    the same slot (a restart) does not pool them again."""
-    import fedaccel.apps.client_app as ca
+@pytest.mark.parametrize("logical", [9, 9.0])
+def test_a_cohort_nodes_clients_are_the_partitions_of_its_slot(logical):
+    """``served_contexts``: slot 1 of 3 nodes with 9 logical clients (an
+    integral float, as the server accepts it, too) serves partitions 1, 4, 7
+    of 9; a node without logical clients, or with its own data file, is one
+    client, itself."""
     from flwr.app import Context
 
-    config = fuse(default_run_config(), {"algo": "fedavg", "logical-clients": 9, "cohort-batching": "on",
-                                         "synthetic.max-samples": 80, "results-dir": str(tmp_path)})
-    shared = ca._shared(ca._freeze(config), 9, "")
-    assert not shared.pooled
-    arrays = ArrayRecord(shared.model.state_dict())
+    from fedaccel.apps.client_app import served_contexts
 
-    def envelope(kind, partitions, rnd):
-        messages = [Message(RecordDict({"arrays": arrays, "config": ConfigRecord(
-            {"server-round": rnd, "lr": 0.05, "local-epochs": 1})}),
-                            logical_node_id(p), kind) for p in partitions]
-        env = Message(pack_envelope(messages, 9), 5, f"{kind}.cohort")
-        env.metadata.__dict__["_message_id"] = f"{kind}-{rnd}"
-        return env
+    def node(run_config, **node_config):
+        return Context(run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 3, **node_config},
+                       state=RecordDict(), run_config=run_config)
 
-    def node(node_id):
-        return Context(run_id=1, node_id=node_id, node_config={"partition-id": 1, "num-partitions": 3},
-                       state=RecordDict(), run_config=config)
+    clients = served_contexts(node({"logical-clients": logical}))
+    assert [(c.node_config["partition-id"], c.node_config["num-partitions"]) for c in clients] == [
+        (1, 9), (4, 9), (7, 9)]
+    assert [c.node_id for c in clients] == [logical_node_id(p) for p in (1, 4, 7)]
+    for config, extra in (({"logical-clients": 0}, {}), ({}, {}), ({"logical-clients": True}, {}),
+                          ({"logical-clients": logical}, {"data-path": "/data/own.npz"})):
+        alone = node(config, **extra)
+        assert served_contexts(alone) == [alone]
 
-    context = node(5)
-    reply = ca.evaluate_logical_clients(envelope("evaluate", [4], 0), context)
-    assert not reply.has_error() and not any(r.has_error() for r in unpack_replies(reply.content, [
-        Message(RecordDict(), logical_node_id(4), "evaluate")]))
-    assert sorted(shared.pooled) == [1, 4, 7]
-    pool = shared.pooled[1][0].pool
-    sizes = shared.dataset.train_sizes()
-    assert pool is not None and len(pool.y) == sizes[1] + sizes[4] + sizes[7]
-    assert all(shared.pooled[p][0].pool is pool for p in (4, 7))
-    assert ca.client_runtime(ca.logical_clients(envelope("evaluate", [4], 0), context)[0][1]).train.pool is pool
 
-    seen = []
-    real = ca.fit_cohort
-    monkeypatch.setattr(ca, "fit_cohort", lambda model, jobs, *a, **k: seen.extend(
-        job.data.pool for job in jobs) or real(model, jobs, *a, **k))
-    for rnd, node_id in ((1, 5), (2, 6)):  # node 6: the slot's node after a restart
-        reply = ca.train_logical_clients(envelope("train", [1, 7], rnd), node(node_id) if node_id == 6 else context)
-        replies = unpack_replies(reply.content, [Message(RecordDict(), logical_node_id(p), "train") for p in (1, 7)])
-        assert not any(r.has_error() for r in replies)
-    assert len(seen) == 4 and all(p is pool for p in seen)
-    assert sorted(shared.pooled) == [1, 4, 7] and all(shared.pooled[p][0].pool is pool for p in (1, 4, 7))
+def test_the_fast_runner_builds_its_cohort_nodes_logical_clients_only(tmp_path, monkeypatch):
+    """With ``logical-clients=12`` on 3 nodes the fast runner prepares (and
+    decides how to train) the 12 logical clients: the dataset is split 12
+    ways only, never 3 ways for the nodes' own contexts, which no client
+    trains on."""
+    import fedaccel.apps.client_app as ca
+
+    splits = []
+    real = ca.data_config_for
+    monkeypatch.setattr(ca, "data_config_for", lambda cfg, n: splits.append(n) or real(cfg, n))
+    _run(tmp_path, "split", 3, **{"algo": "fedavg", "logical-clients": 12, "num-server-rounds": 1,
+                                  "cohort-batching": "on", "accl-every": 0})
+    assert splits == [12]
 
 
 def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):

@@ -125,8 +125,6 @@ class _Shared:
     # partition -> its training data as rows of one SamplePool, and its
     # local test split (filled by pool_training_data, read by _runtime)
     pooled: dict[int, tuple[TrainData, Any, Any]] = field(default_factory=dict)
-    # the cohort nodes (their node config) whose clients pool_served_clients has pooled
-    pooled_nodes: set[tuple] = field(default_factory=set)
 
 
 @lru_cache(maxsize=4)
@@ -248,10 +246,13 @@ def client_runtime(context: Context) -> ClientRuntime:
 
 def _logical_clients_of(run_config: dict[str, Any]) -> int:
     """The run's ``logical-clients`` (0: each node is one client), read
-    without building the node's runtime; a value that is not a count is 0
-    here (the server refuses it with its one line)."""
+    without building the node's runtime, as the server reads it (an integer,
+    or a float with an integral value); any other value is 0 here (the
+    server refuses it with its one line)."""
     value = run_config.get("logical-clients", 0)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+    return int(value) if whole and value > 0 else 0
 
 
 def _logical_context(context: Context, partition_id: int, num_partitions: int, node_id: int,
@@ -274,30 +275,6 @@ def served_contexts(context: Context) -> list[Context]:
     slot, num_nodes = node_partition(context)
     return [_logical_context(context, pid, num_logical, logical_node_id(pid), RecordDict())
             for pid in range(slot, num_logical, num_nodes)]
-
-
-def pool_served_clients(context: Context) -> None:
-    """On a cohort node's first envelope in this process, the training data
-    of every client it serves as one :class:`SamplePool` (as the fast runner
-    pools its clients before round 1), so each round's slice is gathered
-    from the pool instead of concatenated. Best effort and once per node and
-    run: a client whose data cannot be built gets its error when it trains;
-    more clients than the runtime cache holds are not pooled (the cache
-    would drop most of their runtimes before they train again)."""
-    try:
-        num_logical = _logical_clients_of(context.run_config)
-        if not num_logical or node_data_path(context):
-            return
-        shared = _shared(_freeze(context.run_config), num_logical, "")
-        node = tuple(sorted(context.node_config.items()))
-        if node in shared.pooled_nodes:
-            return
-        shared.pooled_nodes.add(node)
-        clients = served_contexts(context)
-        if len(clients) <= RUNTIME_CACHE_SIZE:
-            pool_training_data(clients)
-    except Exception:  # noqa: BLE001 - each client's own train() or evaluate() reports it
-        pass
 
 
 def prepare_clients(contexts: list[Context]) -> None:
@@ -521,7 +498,6 @@ def _serve_logical_clients(msg: Message, context: Context,
     and cannot) is the envelope's error reply, hence every client's."""
     try:
         items = logical_clients(msg, context)
-        pool_served_clients(context)
         replies, note = serve(items)
     except REPLY_ERRORS as err:
         return user_error_reply(msg, context, err)
