@@ -62,12 +62,21 @@ class PromptGrid(GridView):
     Flower's own ``send_and_receive`` sleeps a fixed interval between pulls:
     0.1 s in the simulation's in-memory grid, 3 s in the ServerApp's grid on
     a real SuperLink, so every round ends up to that late. This
-    one pushes, then pulls with a back-off from 5 ms growing by half each
-    time up to ``max_interval``: replies are collected at most ~50 % of the
-    time already waited (and at most ``max_interval``) after they arrive.
-    Same contract: returns what arrived before ``timeout`` (None: wait for
-    all). Written here because Flower's interval is not configurable.
+    one pushes, then pulls with a back-off from 5 ms growing by a tenth
+    each time up to ``max_interval``: a reply is collected at most about
+    5 ms plus 10 % of the time already waited (and at most
+    ``max_interval``) after it arrives, with some 30 pulls in a round's
+    first second and ten a second after. (Growing by half, as it once did,
+    collected a reply up to half the time waited late: on Flower's Ray
+    simulation, two cohort nodes of 50 Synthetic clients each, rounds took
+    0.112-0.143 s against 0.102-0.119 s growing by a tenth, FedAvg and
+    FedCDR, two runs each, 2026-12-07; a node per client, 0.67-0.68 s
+    against 0.64-0.71 s.) Same contract: returns what arrived before
+    ``timeout`` (None: wait for all). Written here because Flower's
+    interval is not configurable.
     """
+
+    growth = 1.1  # each wait between pulls this many times the last
 
     def __init__(self, grid: Grid, max_interval: float = 0.1) -> None:
         super().__init__(grid)
@@ -89,4 +98,4 @@ class PromptGrid(GridView):
                 return replies
             wait = interval if deadline is None else min(interval, max(deadline - time.monotonic(), 0.0))
             time.sleep(wait)
-            interval = min(interval * 1.5, self.max_interval)
+            interval = min(interval * self.growth, self.max_interval)

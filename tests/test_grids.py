@@ -68,6 +68,20 @@ def test_prompt_grid_returns_every_reply_soon_after_it_arrives(monkeypatch):
     assert 2.0 <= clock.now < 2.0 + 0.1  # at most one interval late (Flower's sleep: 0.1-3 s)
 
 
+@pytest.mark.parametrize("arrives", [0.003, 0.07, 0.4, 0.95])
+def test_prompt_grid_collects_a_reply_within_a_tenth_of_the_time_waited(monkeypatch, arrives):
+    """A reply that arrives ``arrives`` seconds after the push is collected
+    at most 5 ms plus a tenth of that later (the back-off grows by a tenth:
+    grown by half, a reply at 0.07 s was collected at 0.104 s), with no
+    more pulls than that back-off makes."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    replies = list(PromptGrid(_DelayedGrid([arrives], clock)).send_and_receive(_queries(1), timeout=None))
+    assert len(replies) == 1
+    assert arrives <= clock.now <= arrives * 1.1 + 0.005 + 1e-9
+    assert len(clock.sleeps) <= 36  # about 31 waits to reach the 0.1 s cap in the first second
+
+
 def test_prompt_grid_stops_at_the_timeout_with_what_arrived(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(grids, "time", clock)
