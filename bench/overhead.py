@@ -403,13 +403,17 @@ def ray_run(ov: dict[str, Any], nodes: int, env: dict[str, str]) -> dict[str, An
     from fedaccel.superlink import stop_local_superlink
 
     stop_local_superlink(CONTROL_PORT)  # every run starts its SuperLink and Ray cold
+    # the profile sized in place, keeping its 1 CPU per client: flwr run's
+    # --federation-config "num-supernodes=N" would drop the profile's options
+    # and give each client Flower's default 2 CPUs (one Ray actor on 2 cores)
+    subprocess.run([sys.executable, "-m", "fedaccel.federations", "size", "local-simulation", str(nodes)],
+                   env=env, check=True, capture_output=True)
     text = " ".join(f"{k}={_toml(v)}" for k, v in ov.items())
     flwr = str(Path(sys.executable).parent / "flwr")
     start = time.perf_counter()
     with TreeRSS() as rss:
-        proc = subprocess.run([flwr, "run", ".", "--run-config", text, "--federation-config",
-                               f"num-supernodes={nodes}", "--stream"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run([flwr, "run", ".", "local-simulation", "--run-config", text, "--stream"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         folder = Path(ov["results-dir"]) / ov["run-name"]
         while proc.returncode == 0 and not (folder / "summary.json").is_file() \
                 and time.perf_counter() - start < 600:
