@@ -91,6 +91,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 ALGOS = ("fedavg", "fedcdr", "fedpm", "scaffold", "feddc")
 ROUNDS = {"mlp-synthetic": 20, "mlp-fmnist": 20, "mlp200-fmnist": 20, "cnn-fmnist": 5}  # default rounds per run
 MODES = ("bare", "fast", "cohort", "ray", "ray-cohort", "no-steps")
+RAY_MODES = ("ray", "ray-cohort")
 UNBATCHED: tuple[str, ...] = ()  # algorithms without a cohort mode (none since FedPM batches its FOOF solves)
 CONTROL_PORT, HTTP_PORT = "39493", "39491"  # a private local SuperLink (never the user's)
 
@@ -403,17 +404,18 @@ def ray_run(ov: dict[str, Any], nodes: int, env: dict[str, str]) -> dict[str, An
     from fedaccel.superlink import stop_local_superlink
 
     stop_local_superlink(CONTROL_PORT)  # every run starts its SuperLink and Ray cold
-    # the profile sized in place, keeping its 1 CPU per client: flwr run's
-    # --federation-config "num-supernodes=N" would drop the profile's options
-    # and give each client Flower's default 2 CPUs (one Ray actor on 2 cores)
-    subprocess.run([sys.executable, "-m", "fedaccel.federations", "size", "local-simulation", str(nodes)],
-                   env=env, check=True, capture_output=True)
+    from fedaccel.federations import simulation_overrides
+
     text = " ".join(f"{k}={_toml(v)}" for k, v in ov.items())
     flwr = str(Path(sys.executable).parent / "flwr")
+    # the profile's own resources per client (1 CPU: two Ray workers on 2 cores), passed
+    # with the size: "num-supernodes=N" alone gives each client Flower's default 2 CPUs
+    federation = simulation_overrides("local-simulation", nodes)
     start = time.perf_counter()
     with TreeRSS() as rss:
-        proc = subprocess.run([flwr, "run", ".", "local-simulation", "--run-config", text, "--stream"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run([flwr, "run", ".", "local-simulation", "--run-config", text, "--federation-config",
+                               federation, "--stream"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=3600)
         folder = Path(ov["results-dir"]) / ov["run-name"]
         while proc.returncode == 0 and not (folder / "summary.json").is_file() \
                 and time.perf_counter() - start < 600:
@@ -422,7 +424,8 @@ def ray_run(ov: dict[str, Any], nodes: int, env: dict[str, str]) -> dict[str, An
     stop_local_superlink(CONTROL_PORT)
     if proc.returncode != 0 or not (folder / "metrics.jsonl").is_file():
         raise SystemExit(f"flwr run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"round_seconds": [r["seconds"] for r in _rows(folder)], "wall": wall, "peak_rss_mb": rss.peak_kb / 1024}
+    return {"round_seconds": [r["seconds"] for r in _rows(folder)], "wall": wall, "peak_rss_mb": rss.peak_kb / 1024,
+            "federation_config": federation}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -479,6 +482,8 @@ def measure(mode: str, workload: str, algo: str, rounds: int, clients: int, tmp:
             "round_seconds": [round(s, 4) for s in secs], "peak_rss_mb": round(res["peak_rss_mb"], 1),
             "eval_s": res.get("eval_seconds"), "wall_s": round(res["wall"], 2), "when": time.strftime("%F %T"),
             **({"profiled": True} if res.get("profiled") else {}),
+            # the Ray modes: the simulation's size, backend and resources per client
+            **({"federation_config": res["federation_config"]} if res.get("federation_config") else {}),
             # the measuring child's; the Ray modes': this process's (their workers run on this machine)
             "environment": res.get("environment") or _environment(device)}
 
@@ -575,7 +580,10 @@ def write_table(out: Path) -> None:
             continue
 
         def f(m: str, key: str, fmt: str = "{:.3f}") -> str:
-            return fmt.format(row[m][key]) if row[m] else "-"
+            if not row[m]:
+                return "-"
+            one_worker = m in RAY_MODES and key == "median_round_s" and not row[m].get("federation_config")
+            return fmt.format(row[m][key]) + ("†" if one_worker else "")
 
         def ratio(m: str) -> str:
             if not (row[m] and row["bare"]):
@@ -596,6 +604,11 @@ def write_table(out: Path) -> None:
                   "(or from records made before invocations were recorded): their ratio compares runs made at "
                   "different times, possibly on different machines (each record's `when` and `environment` "
                   "say which). Run both modes in one invocation for a ratio that means something."]
+    if any("†" in line for line in lines):
+        lines += ["", "† A Ray cell recorded before the benchmark passed the profile's resources per client "
+                  "(records without `federation_config`): `--federation-config \"num-supernodes=N\"` alone gave "
+                  "every client Flower's default 2 CPUs, so on a 2-core machine one Ray worker served every "
+                  "node, one message at a time."]
     if repeated:  # a cell's median hides how far its runs were apart on a shared machine
         lines += ["", "Each run of the cells measured more than once (`--repeat`): its median s/round, in the "
                   "order run, the slowest over the fastest, and, for a cell measured in the same invocation "

@@ -36,6 +36,26 @@ def load_profiles(path: Path) -> tuple[dict[str, dict[str, Any]], str | None]:
     return profiles, default
 
 
+def simulation_overrides(profile: str, num_supernodes: int, path: Path | None = None) -> str:
+    """The ``flwr run --federation-config`` text that runs simulation
+    profile ``profile`` of flower.toml (default: the project's) with
+    ``num_supernodes`` nodes and the profile's own backend and resources
+    per client. Flower's ``--federation-config`` replaces a profile's
+    options whole: ``"num-supernodes=N"`` alone gives each client Flower's
+    default 2 CPUs, which on a 2-core machine is one Ray worker for all
+    clients."""
+    profiles, _ = load_profiles(path or project_dir() / "flower.toml")
+    if profile not in profiles:
+        raise ValueError(f"no profile {profile!r} in flower.toml (profiles: {', '.join(sorted(profiles))})")
+    backend = profiles[profile].get("options", {}).get("backend", {})
+    parts = [f"num-supernodes={num_supernodes}"]
+    if "name" in backend:
+        parts.append(f"backend='{backend['name']}'")
+    for key, value in backend.get("client-resources", {}).items():
+        parts.append(f"client-resources-{key}={value}")
+    return " ".join(parts)
+
+
 def install(path: Path, set_default: bool = True) -> Path:
     """Merge the profiles into $FLWR_HOME/config.toml; returns that file's path."""
     from flwr.cli.flower_config import read_flower_config, write_flower_config

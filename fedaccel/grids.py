@@ -69,9 +69,8 @@ class PromptGrid(GridView):
     first second and ten a second after. (Growing by half, as it once did,
     collected a reply up to half the time waited late: on Flower's Ray
     simulation with one Ray worker, two cohort nodes of 50 Synthetic
-    clients each, rounds took 0.112-0.143 s against 0.102-0.119 s growing
-    by a tenth, FedAvg and FedCDR, two runs each, 2026-12-07; a node per
-    client, 0.67-0.68 s against 0.64-0.71 s.) Same contract: returns what arrived before
+    clients each, FedAvg's rounds took 0.113 s against 0.103 s growing by
+    a tenth, 2026-12-07; bench/results/overhead.) Same contract: returns what arrived before
     ``timeout`` (None: wait for all). Written here because Flower's
     interval is not configurable.
     """

@@ -61,12 +61,16 @@ def _number(cfg: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
+def is_whole_number(value: Any) -> bool:
+    """Whether a run-config value counts as an integer: an int (not a bool)
+    or a float with an integral value (TOML and the CLI may give either)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+
+
 def _integer(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
     value = cfg[key]
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and value.is_integer()
-    )
-    require(ok and value >= minimum, key, value, f"must be an integer >= {minimum}")
+    require(is_whole_number(value) and value >= minimum, key, value, f"must be an integer >= {minimum}")
     return int(value)
 
 

@@ -874,6 +874,10 @@ def test_on_refuses_a_run_that_cannot_be_batched_and_auto_says_why(tmp_path, cap
             "synthetic.max-samples": 60, "results-dir": str(tmp_path)}
     with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*fedpm.refresh-every=2 recomputes"):
         run_local(fuse(default_run_config(), {**base, "cohort-batching": "on"}), num_clients=4)
+    # the same line up front for 8 logical clients on 4 cohort nodes (asked of the first logical client)
+    with pytest.raises(ConfigError, match=r"cohort-batching='on' but .*fedpm.refresh-every=2 recomputes"):
+        run_local(fuse(default_run_config(), {**base, "cohort-batching": "on", "logical-clients": 8}), num_clients=4)
+    assert not list(tmp_path.iterdir())  # refused before any run folder
     run_local(fuse(default_run_config(), {**base, "cohort-batching": "auto"}), num_clients=4)
     assert "clients train one after another (fedpm.refresh-every=2 recomputes" in capsys.readouterr().err
     del base["fedpm.refresh-every"]

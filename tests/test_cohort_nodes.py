@@ -301,6 +301,9 @@ def test_a_cohort_nodes_clients_are_the_partitions_of_its_slot(logical):
     assert [(c.node_config["partition-id"], c.node_config["num-partitions"]) for c in clients] == [
         (1, 9), (4, 9), (7, 9)]
     assert [c.node_id for c in clients] == [logical_node_id(p) for p in (1, 4, 7)]
+    beyond = Context(run_id=1, node_id=6, node_config={"partition-id": 10, "num-partitions": 12},
+                     state=RecordDict(), run_config={"logical-clients": logical})
+    assert served_contexts(beyond) == []  # slot 10 of 12 nodes: more nodes than the 9 clients
     for config, extra in (({"logical-clients": 0}, {}), ({}, {}), ({"logical-clients": True}, {}),
                           ({"logical-clients": logical}, {"data-path": "/data/own.npz"})):
         alone = node(config, **extra)

@@ -40,3 +40,22 @@ def test_size_refuses_with_one_line(flwr_home, capsys, args, wanted):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and wanted in err[0]
+
+
+@pytest.mark.parametrize("profile,cpus,gpus", [("local-simulation", 1, 0.0), ("local-simulation-gpu", 2, 0.25)])
+def test_simulation_overrides_keep_the_profiles_resources_per_client(profile, cpus, gpus):
+    """``--federation-config`` replaces a profile's options whole, so the text
+    that sizes a simulation carries the profile's backend and resources per
+    client too (``num-supernodes=N`` alone gave each client Flower's default
+    2 CPUs: one Ray worker on a 2-core machine); read as Flower reads it."""
+    from flwr.common.config import parse_config_args
+    from flwr.supercore.utils import simulation_config_from_json
+
+    from fedaccel.federations import simulation_overrides
+
+    text = simulation_overrides(profile, 7)
+    parsed = simulation_config_from_json({k.replace("-", "_"): v for k, v in parse_config_args([text]).items()})
+    assert (parsed.num_supernodes, parsed.backend) == (7, "ray")
+    assert (parsed.client_resources_num_cpus, parsed.client_resources_num_gpus) == (cpus, gpus)
+    with pytest.raises(ValueError, match="no profile 'nope'"):
+        simulation_overrides("nope", 7)

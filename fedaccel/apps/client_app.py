@@ -47,7 +47,7 @@ from fedaccel.arrays import load_into, metric_record, record_dict, records_of
 from fedaccel.contract import ContractError
 from fedaccel.config import RunConfig, config_error
 from fedaccel.registry import get_algorithm
-from fedaccel.run_config import parse_client_config
+from fedaccel.run_config import is_whole_number, parse_client_config
 from fedaccel.errors import USER_ERRORS
 from fedaccel.runtime import build_model_for, data_config_for, load_data
 from fedaccel.torch_utils import evaluate as evaluate_model, seeded_generator, select_device
@@ -250,9 +250,7 @@ def _logical_clients_of(run_config: dict[str, Any]) -> int:
     or a float with an integral value); any other value is 0 here (the
     server refuses it with its one line)."""
     value = run_config.get("logical-clients", 0)
-    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and value.is_integer())
-    return int(value) if whole and value > 0 else 0
+    return int(value) if is_whole_number(value) and value > 0 else 0
 
 
 def _logical_context(context: Context, partition_id: int, num_partitions: int, node_id: int,
