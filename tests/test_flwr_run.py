@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from fakes import kill_unfinished, selected_ids
+from fedaccel.federations import simulation_overrides
 from fedaccel.local_run import default_run_config, fuse, project_dir, run_local
 from fedaccel.superlink import local_superlink_pids, stop_local_superlink
 from fedaccel.support import MATRIX, engine_runs
@@ -82,7 +83,9 @@ def toml_value(value) -> str:
 def flwr_args(run_config: dict, nodes: int | None = NUM_CLIENTS, federation: str = "local-simulation") -> list[str]:
     """``flwr run`` on ``federation``, with ``nodes`` simulated nodes (None: the profile's size and resources)."""
     text = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
-    size = ["--federation-config", f"num-supernodes={nodes}"] if nodes is not None else []
+    # the profile's own resources per client with the size ("num-supernodes=N" alone would
+    # give every client Flower's default 2 CPUs: one Ray worker for all nodes on 2 cores)
+    size = ["--federation-config", simulation_overrides(federation, nodes)] if nodes is not None else []
     return [flwr_bin(), "run", ".", federation, "--run-config", text, *size, "--stream"]
 
 
@@ -350,7 +353,7 @@ def test_flwr_run_resumes_from_a_checkpoint_to_the_same_model(flwr_env, tmp_path
     (run_dir / "final_model.npz").unlink()
     resumed = subprocess.run(
         [flwr_bin(), "run", ".", "--run-config", str(run_dir / "checkpoints" / "round-00002.toml"),
-         "--federation-config", f"num-supernodes={NUM_CLIENTS}", "--stream"],
+         "--federation-config", simulation_overrides("local-simulation", NUM_CLIENTS), "--stream"],
         cwd=project_dir(), env=flwr_env, capture_output=True, text=True, timeout=300)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and "resuming after round 2 of 4" in out, out[-3000:]
