@@ -178,8 +178,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         def of_first_client(ask: Callable[[Context], Any]) -> Callable[[Context], Any]:
             # a cohort node's question goes to its first logical client (the node's own
             # context names a partition of a dataset split W ways, which no client trains on);
-            # the grid's first node is slot 0, which serves client 0 ("or": never reached)
-            return lambda node: ask((served_contexts(node) or [node])[0])
+            # the grid's first node is slot 0, which always serves client 0
+            return lambda node: ask(served_contexts(node)[0])
 
         grid.cohort_trainer = choose_cohort_trainer(cfg, grid, of_first_client(cohort_fallback), train_cohort,
                                                     quiet, of_first_client(cohort_note))
