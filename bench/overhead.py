@@ -441,6 +441,7 @@ def child(args: argparse.Namespace) -> None:
         profiler = cProfile.Profile()
         out = profiler.runcall(run, ov, args.clients)
         args.child_profile.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(args.child_profile.with_suffix(".prof"))  # the raw profile, for pstats' callers
         with open(args.child_profile, "w") as f:
             f.write(f"# {args.child} {ov.get('run-name')}: cProfile of the whole run "
                     "(set-up, rounds, evaluation), by cumulative time, then by own time\n")
@@ -659,7 +660,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead")
     p.add_argument("--profile", action="store_true",
                    help="run bare, fast, cohort and no-steps runs under cProfile and write each one's "
-                        "profile to <out>/profiles/ (their timings are inflated; their records say "
+                        "profile to <out>/profiles/ (a .txt summary and the raw .prof for pstats; their timings are inflated; their records say "
                         "\"profiled\": true)")
     p.add_argument("--child", choices=["bare", "fast", "cohort", "no-steps"], help=argparse.SUPPRESS)
     p.add_argument("--child-overrides", help=argparse.SUPPRESS)

@@ -310,6 +310,31 @@ def test_a_cohort_nodes_clients_are_the_partitions_of_its_slot(logical):
         assert served_contexts(alone) == [alone]
 
 
+def test_prepare_clients_counts_cohort_nodes_clients_before_building_any(monkeypatch):
+    """More logical clients than the runtime cache holds: ``prepare_clients``
+    builds nothing, not even the logical clients' Contexts (it counts the
+    partitions each node serves first); at the cap it builds each of them."""
+    from flwr.app import Context
+
+    import fedaccel.apps.client_app as ca
+
+    built, runtimes = [], []
+    real = ca._logical_context
+    monkeypatch.setattr(ca, "_logical_context", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(ca, "pool_training_data", lambda contexts: None)
+    monkeypatch.setattr(ca, "client_runtime", lambda context: runtimes.append(context))
+    nodes = [Context(run_id=1, node_id=5 + slot, node_config={"partition-id": slot, "num-partitions": 2},
+                     state=RecordDict(), run_config={"logical-clients": ca.RUNTIME_CACHE_SIZE + 1})
+             for slot in range(2)]
+    ca.prepare_clients(nodes)
+    assert built == [] and runtimes == []
+    for node in nodes:
+        node.run_config["logical-clients"] = ca.RUNTIME_CACHE_SIZE
+    ca.prepare_clients(nodes)
+    assert sorted(built) == list(range(ca.RUNTIME_CACHE_SIZE))
+    assert len(runtimes) == ca.RUNTIME_CACHE_SIZE
+
+
 def test_the_fast_runner_builds_its_cohort_nodes_logical_clients_only(tmp_path, monkeypatch):
     """With ``logical-clients=12`` on 3 nodes the fast runner prepares (and
     decides how to train) the 12 logical clients: the dataset is split 12

@@ -267,12 +267,22 @@ def served_contexts(context: Context) -> list[Context]:
     its partition: the node itself, or on a cohort node (``logical-clients =
     N``, slot ``k`` of ``W``) the logical clients ``p < N`` with ``p % W ==
     k`` (:mod:`fedaccel.cohort_nodes`), whose envelopes it will get."""
+    served = _served_partitions(context)
+    if served is None:
+        return [context]
+    # served.stop: the run's number of logical clients
+    return [_logical_context(context, pid, served.stop, logical_node_id(pid), RecordDict()) for pid in served]
+
+
+def _served_partitions(context: Context) -> range | None:
+    """The partition ids of the logical clients the cohort node of
+    ``context`` serves (:func:`served_contexts`), or None for a node that is
+    one client itself."""
     num_logical = _logical_clients_of(context.run_config)
     if not num_logical or node_data_path(context):
-        return [context]
+        return None
     slot, num_nodes = node_partition(context)
-    return [_logical_context(context, pid, num_logical, logical_node_id(pid), RecordDict())
-            for pid in range(slot, num_logical, num_nodes)]
+    return range(slot, num_logical, num_nodes)
 
 
 def prepare_clients(contexts: list[Context]) -> None:
@@ -288,11 +298,12 @@ def prepare_clients(contexts: list[Context]) -> None:
     would evict most of them before their first round. The clients of a
     cohort node are the logical clients it serves (:func:`served_contexts`).
     """
-    try:
+    try:  # counted before any logical client's Context is built (100k of them cost tenths of a second)
+        served = [_served_partitions(context) for context in contexts]
+        if sum(1 if s is None else len(s) for s in served) > RUNTIME_CACHE_SIZE:
+            return
         contexts = [client for context in contexts for client in served_contexts(context)]
     except Exception:  # noqa: BLE001 - a bad node config: reported by the normal path, see docstring
-        return
-    if len(contexts) > RUNTIME_CACHE_SIZE:
         return
     try:
         pool_training_data(contexts)
