@@ -147,6 +147,18 @@ def client_state(node_state: RecordDict, partition_id: int) -> RecordDict:
     return RecordDict({k[len(prefix):]: v for k, v in node_state.items() if k.startswith(prefix)})
 
 
+def client_states(node_state: RecordDict, partition_ids: Iterable[int]) -> dict[int, RecordDict]:
+    """:func:`client_state` of each of these clients, read in one pass over
+    the node's records (a pass per client costs the square of the slice:
+    0.06 s an envelope at 500 clients a node)."""
+    out = {int(pid): RecordDict() for pid in partition_ids}
+    for key, record in node_state.items():
+        pid, name = _owner(key)
+        if pid in out:
+            out[pid][name] = record
+    return out
+
+
 def keep_client_state(node_state: RecordDict, partition_id: int, state: RecordDict) -> None:
     """Store ``state`` as logical client ``partition_id``'s records in its node's state."""
     prefix = f"{STATE_PREFIX}{partition_id}/"
@@ -154,6 +166,25 @@ def keep_client_state(node_state: RecordDict, partition_id: int, state: RecordDi
         del node_state[key]
     for key, record in state.items():
         node_state[prefix + key] = record
+
+
+def keep_client_states(node_state: RecordDict, states: dict[int, RecordDict]) -> None:
+    """:func:`keep_client_state` for each client of ``states`` (partition id
+    -> its state), in one pass over the node's records."""
+    for key in [key for key in node_state.keys() if _owner(key)[0] in states]:
+        del node_state[key]
+    for pid, state in states.items():
+        for key, record in state.items():
+            node_state[f"{STATE_PREFIX}{pid}/{key}"] = record
+
+
+def _owner(key: str) -> tuple[int | None, str]:
+    """``(p, name)`` for a node record ``client-<p>/<name>``, else ``(None, key)``."""
+    if key.startswith(STATE_PREFIX):
+        head, sep, name = key[len(STATE_PREFIX):].partition("/")
+        if sep and head.isascii() and head.isdigit() and str(int(head)) == head:
+            return int(head), name
+    return None, key
 
 
 # ------------------------------------------------------------- server side

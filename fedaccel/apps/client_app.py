@@ -39,7 +39,7 @@ from fedaccel.clients.cohort import (MEMORY_FRACTION, CohortJob, chunk_size, fal
                                      own_batched, slower_reason, unbatchable_error)
 from fedaccel.memory import available_bytes_on
 from fedaccel.clients.state import ClientState, choose_backend, open_client_state
-from fedaccel.cohort_nodes import (COHORT_ACTION, client_state, keep_client_state, logical_messages,
+from fedaccel.cohort_nodes import (COHORT_ACTION, client_states, keep_client_states, logical_messages,
                                    logical_node_id, pack_replies)
 from fedaccel.client_errors import exception_reply, log_raised, node_label
 from fedaccel.data.device_file import DATASET_SPECS, load_device_file
@@ -493,9 +493,10 @@ def logical_clients(msg: Message, context: Context) -> list[tuple[Message, Conte
     if node_data_path(context):
         raise config_error("logical-clients", "> 0", "logical clients are partitions of the run's dataset; "
                            "a node with its own data-path is one client (set logical-clients=0)")
-    return [(message, _logical_context(context, pid, num, message.metadata.dst_node_id,
-                                       client_state(context.state, pid)))
-            for pid, num, message in logical_messages(msg)]
+    clients = logical_messages(msg)
+    states = client_states(context.state, [pid for pid, _, _ in clients])
+    return [(message, _logical_context(context, pid, num, message.metadata.dst_node_id, states[pid]))
+            for pid, num, message in clients]
 
 
 def _serve_logical_clients(msg: Message, context: Context,
@@ -510,8 +511,7 @@ def _serve_logical_clients(msg: Message, context: Context,
         replies, note = serve(items)
     except REPLY_ERRORS as err:
         return user_error_reply(msg, context, err)
-    for _, ctx in items:
-        keep_client_state(context.state, int(ctx.node_config["partition-id"]), ctx.state)
+    keep_client_states(context.state, {int(ctx.node_config["partition-id"]): ctx.state for _, ctx in items})
     return Message(pack_replies(replies, note), reply_to=msg)
 
 
