@@ -37,7 +37,7 @@ from fedaccel.trackers import open_tracker, require_tracker
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name, optimum_of
 from fedaccel.torch_utils import environment, evaluate, select_device, state_to_arrays
 from fedaccel.cohort_nodes import CohortNodes
-from fedaccel.grids import PromptGrid
+from fedaccel.grids import PromptGrid, SerialNodes
 from fedaccel.membership import TRANSIENT_ATTEMPTS, Federation, TransientAnswer, query_partitions
 
 
@@ -339,6 +339,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     run_dir = writable_run_dir(cfg, target)
     with removed_if_left_empty(run_dir, created):
         grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
+        grid = SerialNodes(grid)  # a node's next message only once it answered the last (Flower's simulation)
         if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
             # the fast runner says how the nodes train on stderr, as it does for its own clients
             announce = None if engine != "fast" else (lambda note: None) if quiet else (

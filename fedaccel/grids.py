@@ -2,17 +2,20 @@
 
 Written here because Flower offers no way to restrict a Grid to some nodes
 (:class:`NodeSubset`: Flower's ``configure_train`` then builds one message per
-chosen node) or to change how often ``send_and_receive`` polls
-(:class:`PromptGrid`).
+chosen node), to change how often ``send_and_receive`` polls
+(:class:`PromptGrid`), or to keep a node to one message at a time
+(:class:`SerialNodes`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import Message
+from flwr.common import log
 from flwr.serverapp import Grid
 
 
@@ -98,3 +101,77 @@ class PromptGrid(GridView):
             wait = interval if deadline is None else min(interval, max(deadline - time.monotonic(), 0.0))
             time.sleep(wait)
             interval = min(interval * self.growth, self.max_interval)
+
+
+class SerialNodes(GridView):
+    """A Grid that sends a node its next message only once the node has
+    answered the last one.
+
+    A SuperNode takes its messages one at a time. Flower's simulation does
+    not: it hands a node's next message to another worker while a message
+    that outlived ``round-timeout`` still runs, each worker on its own copy
+    of the node's ``Context``, and the one that ends last overwrites the
+    other's ``context.state`` (``vce_api.worker``). On a cohort node
+    (:mod:`fedaccel.cohort_nodes`) that state holds every client the node
+    serves, so a late envelope would cost clients that were never late
+    their state. Here a message whose reply did not come in time stays
+    *outstanding*; each ``send_and_receive`` first collects the replies
+    outstanding messages got since (or the SuperLink's error reply for
+    one: node gone, message expired; both dropped, as late replies are),
+    and a message for a node that still has one outstanding is not sent:
+    it gets no reply, as a late one. After ``give_up_factor`` times the
+    timeout it was sent with, an outstanding message is given up on (a
+    reply lost for good must not keep a node out), with a warning.
+    Written by hand: Flower's grids forget a message once
+    ``send_and_receive`` has stopped waiting for it.
+    """
+
+    give_up_factor = 2.0
+
+    def __init__(self, grid: Grid) -> None:
+        super().__init__(grid)
+        self._outstanding: dict[str, tuple[int, float]] = {}  # message id -> (node, give up at)
+
+    @property
+    def busy_nodes(self) -> set[int]:
+        """The nodes with a message outstanding."""
+        return {node for node, _ in self._outstanding.values()}
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        self._collect_outstanding()
+        busy = self.busy_nodes
+        held = [m for m in messages if m.metadata.dst_node_id in busy]
+        if held:
+            log(WARNING, "[fedaccel] %s message(s) not sent to node(s) %s, which have not answered an "
+                "earlier message yet (no reply within round-timeout): a node takes one message at a time; "
+                "raise round-timeout if its work takes longer", len(held),
+                ", ".join(str(n) for n in sorted({m.metadata.dst_node_id for m in held})))
+        sent = [m for m in messages if m.metadata.dst_node_id not in busy]
+        replies = list(self._grid.send_and_receive(sent, timeout=timeout)) if sent else []
+        if timeout is not None:
+            answered = {r.metadata.reply_to_message_id for r in replies}
+            give_up_at = time.monotonic() + self.give_up_factor * timeout
+            for m in sent:
+                if m.metadata.message_id and m.metadata.message_id not in answered:
+                    self._outstanding[m.metadata.message_id] = (m.metadata.dst_node_id, give_up_at)
+        return replies
+
+    def _collect_outstanding(self) -> None:
+        """Drop the outstanding messages that got a reply since, or whose
+        time to give up has come."""
+        if not self._outstanding:
+            return
+        for reply in self._grid.pull_messages(list(self._outstanding)):
+            found = self._outstanding.pop(reply.metadata.reply_to_message_id, None)
+            if found is not None:
+                log(INFO, "[fedaccel] node %s answered a message of an earlier round (not used); it gets "
+                    "messages again", found[0])
+        now = time.monotonic()
+        for message_id, (node, give_up_at) in list(self._outstanding.items()):
+            if now >= give_up_at:
+                del self._outstanding[message_id]
+                log(WARNING, "[fedaccel] node %s never answered a message (given up after %g times "
+                    "round-timeout); it gets messages again (in Flower's simulation, should that message "
+                    "still be running, the two overwrite each other's client state: raise round-timeout)",
+                    node, self.give_up_factor)

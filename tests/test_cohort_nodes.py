@@ -15,14 +15,15 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
 from fedaccel.apps.client_app import app as client_app
+from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
 from fedaccel.clients.state import ContextState
 from fedaccel.cohort_nodes import (CohortNodes, client_state, keep_client_state, logical_messages,
                                    logical_node_id, pack_envelope, pack_replies, unpack_replies)
 from fedaccel.experiment import Experiment, discover_federation
-from fedaccel.grids import PromptGrid
+from fedaccel.grids import PromptGrid, SerialNodes
 from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.run_config import parse_run_config
@@ -207,6 +208,31 @@ def test_each_logical_clients_state_lives_under_its_own_keys_in_its_nodes_state(
     keep_client_state(node_state, 3, RecordDict({"new": ConfigRecord({"v": 3})}))
     assert sorted(node_state.keys()) == ["client-3/new", "client-30/x"]  # client 30 untouched
     assert client_state(node_state, 3)["new"]["v"] == 3
+
+
+def test_a_slices_states_are_read_and_kept_in_one_pass_as_client_by_client():
+    """``client_states`` / ``keep_client_states`` (one pass over the node's
+    records for a whole envelope) give and leave what ``client_state`` /
+    ``keep_client_state`` do client by client: each client's own records in
+    their order, another client's (``client-30`` beside ``client-3``), a
+    look-alike key (``client-03``) and the node's own records untouched."""
+    from fedaccel.cohort_nodes import client_states, keep_client_states
+
+    node_state = RecordDict({"client-3/b": ConfigRecord({"v": 1}), "client-30/x": ConfigRecord({"v": 2}),
+                             "client-3/a": ConfigRecord({"v": 3}), "client-03/y": ConfigRecord({"v": 4}),
+                             "own": ConfigRecord({"v": 5}), "client-7/z": ConfigRecord({"v": 6})})
+    states = client_states(node_state, [3, 7, 8])
+    for pid in (3, 7, 8):
+        assert list(states[pid].items()) == list(client_state(node_state, pid).items())
+    assert list(states[3].keys()) == ["b", "a"] and len(states[8]) == 0
+    one_by_one = RecordDict(dict(node_state.items()))
+    new = {3: RecordDict({"n": ConfigRecord({"v": 7})}), 8: RecordDict({"m": ConfigRecord({"v": 8})}),
+           7: RecordDict()}
+    keep_client_states(node_state, new)
+    for pid, state in new.items():
+        keep_client_state(one_by_one, pid, state)
+    assert sorted(node_state.keys()) == sorted(one_by_one.keys()) == [
+        "client-03/y", "client-3/n", "client-30/x", "client-8/m", "own"]
 
 
 # --------------------------------------------------------------------------- #
@@ -450,28 +476,43 @@ def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):
 class EnvelopeFaults(LocalGrid):
     """The fast runner's Grid as Flower's simulation with 3 nodes, with faults
     on the nodes' reply envelopes: ``faults[round]`` maps a node's slot to
-    ``lose`` (its reply never arrives: all its clients' replies are lost),
-    ``crash`` (an error reply: every client's reply is that error) or ``nan``
-    (its first client's reply carries non-finite values and is rejected)."""
+    ``late`` (the envelope trains on a copy of the node's Context and its
+    reply comes only after the next round, when :meth:`finish_late` writes
+    that copy back as the node's Context: Flower's simulation keeps the
+    Context of the worker that ends last), ``crash`` (an error reply: every
+    client's reply is that error) or ``nan`` (its first client's reply
+    carries non-finite values and is rejected). ``delivered``: the
+    ``(round, slot)`` of every training envelope a node got."""
 
     def __init__(self, *args, faults, **kwargs):
         super().__init__(*args, **kwargs)
         self.faults = faults
         self.applied: list[tuple[int, int, str]] = []
+        self.delivered: list[tuple[int, int]] = []
+        self._late: list[tuple[int, Message, Context]] = []  # (round, reply, the late worker's Context)
 
     def deliver(self, message):
-        reply = super().deliver(message)
         if message.metadata.message_type != "train.cohort":
-            return reply
+            return super().deliver(message)
         server_round = int(message.content["0/config"]["server-round"])
-        slot = int(self.contexts[message.metadata.dst_node_id].node_config["partition-id"])
+        context = self.contexts[message.metadata.dst_node_id]
+        slot = int(context.node_config["partition-id"])
+        self.delivered.append((server_round, slot))
         kind = self.faults.get(server_round, {}).get(slot)
+        if kind == "late":  # a worker of its own, on a copy of the node's Context
+            copy = Context(run_id=context.run_id, node_id=context.node_id, node_config=dict(context.node_config),
+                           state=record_dict_from_bytes(record_dict_bytes(context.state.saved())),
+                           run_config=context.run_config)
+            reply = self.client_app(message, copy)
+            reply.metadata.__dict__["_late"] = True
+            self._late.append((server_round, reply, copy))
+            self.applied.append((server_round, slot, kind))
+            return reply
+        reply = super().deliver(message)
         if kind is None:
             return reply
         self.applied.append((server_round, slot, kind))
-        if kind == "lose":
-            reply.metadata.__dict__["_lost"] = True
-        elif kind == "crash":
+        if kind == "crash":
             reply = Message(Error(CLIENT_APP_RAISED_EXCEPTION, "SuperNode died after training"), reply_to=message)
         elif kind == "nan":
             arrays = reply.content["0/arrays"]
@@ -479,8 +520,19 @@ class EnvelopeFaults(LocalGrid):
                                                      for k, a in arrays.items()})
         return reply
 
+    def finish_late(self, server_round: int) -> None:
+        """The late envelopes of rounds before ``server_round`` end now: each
+        one's Context replaces its node's (Flower's ``update_context``) and
+        its reply can be pulled."""
+        for late in [late for late in self._late if late[0] < server_round]:
+            self._late.remove(late)
+            _, reply, copy = late
+            self.contexts[copy.node_id].state.restore(copy.state)
+            reply.metadata.__dict__["_late"] = False
+            self._replies[reply.metadata.reply_to_message_id] = reply
+
     def pull_messages(self, message_ids):
-        return [r for r in super().pull_messages(message_ids) if not r.metadata.__dict__.get("_lost")]
+        return [r for r in super().pull_messages(message_ids) if not r.metadata.__dict__.get("_late")]
 
 
 def logical_states(grid: EnvelopeFaults, strategy, name: str, num_clients: int) -> dict:
@@ -499,8 +551,17 @@ def logical_states(grid: EnvelopeFaults, strategy, name: str, num_clients: int) 
 
 
 @pytest.mark.parametrize("algo", ["scaffold", "fedcdr"])
-def test_invariants_hold_when_a_nodes_reply_is_lost_an_error_or_partly_rejected(tmp_path, algo):
-    faults = {2: {0: "lose"}, 3: {1: "crash"}, 4: {2: "nan", 0: "lose"}}
+def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(tmp_path, algo):
+    """A late envelope (its reply after the next round, its Context written
+    back then, as in Flower's simulation), a crashed node and one rejected
+    client's reply: after every round each logical client holds exactly the
+    state version of the round the server applied, and the server's
+    aggregate agrees with the clients' (SCAFFOLD's c = mean c_i, FedCDR's
+    x = mean xhat_i); no client loses its state, because a node with an
+    envelope outstanding gets none in the next round (SerialNodes). Without
+    that, the late worker's Context would overwrite what the node's clients
+    trained in that round."""
+    faults = {2: {0: "late"}, 3: {1: "crash"}, 4: {2: "nan", 0: "late"}}
     num_clients, rounds = 9, 5
     run_config = fuse(default_run_config(), {
         "algo": algo, "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
@@ -509,7 +570,7 @@ def test_invariants_hold_when_a_nodes_reply_is_lost_an_error_or_partly_rejected(
         "round-timeout": 0.5})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
     cfg = parse_run_config(run_config)
-    view = CohortNodes(PromptGrid(grid), num_clients, query_timeout=5.0)
+    view = CohortNodes(SerialNodes(PromptGrid(grid)), num_clients, query_timeout=5.0)
     experiment = Experiment(cfg, discover_federation(view), quiet=True)
     x0: dict[str, np.ndarray] = {}
     checked_rounds = []
@@ -530,6 +591,7 @@ def test_invariants_hold_when_a_nodes_reply_is_lost_an_error_or_partly_rejected(
         error = max(float(np.abs(np.asarray(server[k], dtype=np.float64) - clients[k]).max()) for k in server)
         assert error < 1e-5, f"round {server_round}: server and clients disagree by {error:.3g}"
         checked_rounds.append(server_round)
+        grid.finish_late(server_round)  # a late envelope of the round before ends now
         return out
 
     experiment.on_round_end = checked
@@ -537,7 +599,13 @@ def test_invariants_hold_when_a_nodes_reply_is_lost_an_error_or_partly_rejected(
     assert checked_rounds == list(range(1, rounds + 1))
     # each kind of fault happened (a fault on a node none of whose clients
     # were sampled that round has nothing to act on: FedCDR's reshuffled cohorts)
-    assert {kind for *_, kind in grid.applied} == {"lose", "crash", "nan"}
+    assert {kind for *_, kind in grid.applied} == {"late", "crash", "nan"}
     logs = experiment.strategy.rounds
     assert sum(log.rejected for log in logs.values()) == 1
     assert all(logs[r].failures >= 1 for r, _, _ in grid.applied)
+    assert sum(log.state_lost for log in logs.values()) == 0
+    # the round after a late envelope, its node got none, though clients it serves were sampled
+    for late_round, slot, kind in grid.applied:
+        if kind == "late" and late_round < rounds:
+            assert any(p % 3 == slot for p in logs[late_round + 1].sampled)
+            assert (late_round + 1, slot) not in grid.delivered
