@@ -174,10 +174,14 @@ def _activation_bytes(model: torch.nn.Module, sample: torch.Tensor, batch_size: 
 def chunk_size(model: torch.nn.Module, sample: torch.Tensor, batch_size: int,
                available: int | None, fraction: float = MEMORY_FRACTION, extra: int = 0) -> int:
     """How many clients train as one batch: as many as fit in ``fraction`` of
-    ``available`` bytes (at least 1); no limit where the machine does not say."""
+    ``available`` bytes, rounded down to a power of two (at least 1); no
+    limit where the machine does not say. The power of two keeps the chunks,
+    hence which clients share a batch and so the float32 bits, the same from
+    one run to the next while the memory available moves by less than half."""
     if available is None:
         return 1 << 30
-    return max(1, int(fraction * available) // max(bytes_per_client(model, sample, batch_size, extra), 1))
+    fits = max(1, int(fraction * available) // max(bytes_per_client(model, sample, batch_size, extra), 1))
+    return 1 << (fits.bit_length() - 1)
 
 
 def batched_forward(model: torch.nn.Module) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
