@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 
 from fedaccel.apps.client_app import app as client_app
 from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
-from fedaccel.clients.state import ContextState
+from fedaccel.clients.state import ContextState, DiskState, state_run_dir
 from fedaccel.cohort_nodes import (CohortNodes, client_state, keep_client_state, logical_messages,
                                    logical_node_id, pack_envelope, pack_replies, unpack_replies)
 from fedaccel.experiment import Experiment, discover_federation
@@ -27,7 +27,7 @@ from fedaccel.grids import PromptGrid, SerialNodes
 from fedaccel.local_grid import CLIENT_APP_RAISED_EXCEPTION, LocalGrid
 from fedaccel.local_run import default_run_config, fuse, run_local
 from fedaccel.run_config import parse_run_config
-from test_state_protocol import STATE_NAME, effective_version, mean_over_all
+from test_state_protocol import STATE_NAME, effective_version, invariant_error
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 
@@ -535,13 +535,17 @@ class EnvelopeFaults(LocalGrid):
         return [r for r in super().pull_messages(message_ids) if not r.metadata.__dict__.get("_late")]
 
 
-def logical_states(grid: EnvelopeFaults, strategy, name: str, num_clients: int) -> dict:
+def logical_states(grid: EnvelopeFaults, strategy, cfg, name: str, num_clients: int) -> dict:
     """Every logical client's effective state (its node's context.state, its
-    own keys), checked to be the version of the round the server applied."""
+    own keys, or its folder of ``client-state='disk'``), checked to be the
+    version of the round the server applied."""
     node_of_slot = {int(c.node_config["partition-id"]): c for c in grid.contexts.values()}
     out = {}
     for pid in range(num_clients):
-        store = ContextState(client_state(node_of_slot[pid % len(node_of_slot)].state, pid))
+        if cfg.client_state == "disk":
+            store = DiskState(state_run_dir(cfg.state_dir, grid.run.run_id) / f"client-{pid}")
+        else:
+            store = ContextState(client_state(node_of_slot[pid % len(node_of_slot)].state, pid))
         accepted = strategy.accepted_round.get(pid, 0)
         version = effective_version(store, accepted)
         assert version == accepted, f"client {pid}: the server applied round {accepted}, it holds {version}"
@@ -550,22 +554,33 @@ def logical_states(grid: EnvelopeFaults, strategy, name: str, num_clients: int) 
     return out
 
 
-@pytest.mark.parametrize("algo", ["scaffold", "fedcdr"])
-def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(tmp_path, algo):
+@pytest.mark.parametrize("algo,client_state_kind,stragglers", [
+    ("scaffold", "context", False), ("fedcdr", "context", False), ("feddc", "disk", True),
+    pytest.param("feddyn", "context", True, marks=pytest.mark.slow),
+    pytest.param("fedrkmgc", "disk", False, marks=pytest.mark.slow),
+    pytest.param("feddr", "context", True, marks=pytest.mark.slow),
+    pytest.param("scaffold", "disk", True, marks=pytest.mark.slow)])
+def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(tmp_path, algo, client_state_kind,
+                                                                                stragglers):
     """A late envelope (its reply after the next round, its Context written
     back then, as in Flower's simulation), a crashed node and one rejected
-    client's reply: after every round each logical client holds exactly the
-    state version of the round the server applied, and the server's
-    aggregate agrees with the clients' (SCAFFOLD's c = mean c_i, FedCDR's
-    x = mean xhat_i); no client loses its state, because a node with an
-    envelope outstanding gets none in the next round (SerialNodes). Without
-    that, the late worker's Context would overwrite what the node's clients
-    trained in that round."""
+    client's reply (and, with ``stragglers``, a third of each round's clients
+    dropped): after every round each logical client holds exactly the state
+    version of the round the server applied, in its node's context or its
+    folder, and the server's aggregate agrees with the clients' (SCAFFOLD's
+    c = mean c_i, FedDC's c and drift sum, FedDyn's h = mean grad_prev_i,
+    FedCDR's and FedDR's x = mean xhat_i; FedRKMGC keeps no server state:
+    the version check is its invariant); no client loses its state, because
+    a node with an envelope outstanding gets none in the next round
+    (SerialNodes). Without that, the late worker's Context would overwrite
+    what the node's clients trained in that round."""
     faults = {2: {0: "late"}, 3: {1: "crash"}, 4: {2: "nan", 0: "late"}}
     num_clients, rounds = 9, 5
     run_config = fuse(default_run_config(), {
         "algo": algo, "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
-        "accl-every": 0, "synthetic.max-samples": 60, "client-state": "context",
+        "accl-every": 0, "synthetic.max-samples": 60, "client-state": client_state_kind,
+        "state-dir": str(tmp_path / "state"),
+        **({"straggler-fraction": 0.34, "straggler-policy": "drop"} if stragglers else {}),
         "logical-clients": num_clients, "results-dir": str(tmp_path / "results"), "run-name": algo,
         "round-timeout": 0.5})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
@@ -582,14 +597,8 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         if server_round == 0:
             x0.update(model)
             return out
-        states = logical_states(grid, experiment.strategy, STATE_NAME[algo], num_clients)
-        if algo == "scaffold":
-            zeros = {k: np.zeros_like(v) for k, v in x0.items()}
-            server, clients = experiment.strategy.c, mean_over_all(states, "c", experiment.strategy.c, zeros)
-        else:
-            server, clients = model, mean_over_all(states, "xhat", model, x0)
-        error = max(float(np.abs(np.asarray(server[k], dtype=np.float64) - clients[k]).max()) for k in server)
-        assert error < 1e-5, f"round {server_round}: server and clients disagree by {error:.3g}"
+        states = logical_states(grid, experiment.strategy, cfg, STATE_NAME[algo], num_clients)
+        invariant_error(algo, experiment.strategy, states, model, x0)
         checked_rounds.append(server_round)
         grid.finish_late(server_round)  # a late envelope of the round before ends now
         return out
@@ -604,6 +613,7 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
     assert sum(log.rejected for log in logs.values()) == 1
     assert all(logs[r].failures >= 1 for r, _, _ in grid.applied)
     assert sum(log.state_lost for log in logs.values()) == 0
+    assert (sum(log.dropped for log in logs.values()) >= 3) == stragglers
     # the round after a late envelope, its node got none, though clients it serves were sampled
     for late_round, slot, kind in grid.applied:
         if kind == "late" and late_round < rounds:

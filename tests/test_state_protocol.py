@@ -229,7 +229,13 @@ def check_invariant(algo: str, cfg, strategy, grid: FaultyGrid, model: dict, x0:
     (0 for an algorithm without client state, such as FedPM)."""
     if algo not in STATE_NAME:
         return 0.0
-    states = client_states(grid, strategy, STATE_NAME[algo], cfg)
+    return invariant_error(algo, strategy, client_states(grid, strategy, STATE_NAME[algo], cfg), model, x0)
+
+
+def invariant_error(algo: str, strategy, states: dict, model: dict, x0: dict) -> float:
+    """Assert the algorithm's server/client invariant over every client's
+    effective state ``states`` (partition id -> its tensors, None: the
+    initial state); returns its error."""
     zeros = {k: np.zeros_like(v, dtype=np.float64) for k, v in x0.items()}
     if algo == "scaffold":
         server, clients = strategy.c, mean_over_all(states, "c", strategy.c, zeros)
