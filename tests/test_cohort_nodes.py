@@ -619,3 +619,55 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         if kind == "late" and late_round < rounds:
             assert any(p % 3 == slot for p in logs[late_round + 1].sampled)
             assert (late_round + 1, slot) not in grid.delivered
+
+
+@pytest.mark.parametrize("client_state_kind", ["context", "disk"])
+def test_a_restarted_cohort_node_loses_its_clients_context_state_alone(tmp_path, caplog, client_state_kind):
+    """A cohort node restarted after round 2 (its Context's state empty, as a
+    SuperNode that came back with client-state='context'): each of its
+    clients that had trained reports its state lost the next time it trains,
+    once, and no client of another node does; with client-state='disk' the
+    state is in the clients' folders and nothing is lost."""
+    import re
+
+    class Restarting(LocalGrid):
+        def deliver(self, message):
+            if message.metadata.message_type == "train.cohort":
+                server_round = int(message.content["0/config"]["server-round"])
+                context = self.contexts[message.metadata.dst_node_id]
+                if server_round == 3 and context.node_config["partition-id"] == 1 and not self.restarted:
+                    context.state.restore(RecordDict())
+                    self.restarted = True
+            return super().deliver(message)
+
+    num_clients, rounds = 9, 6
+    run_config = fuse(default_run_config(), {
+        "algo": "fedcdr", "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
+        "accl-every": 0, "synthetic.max-samples": 60, "client-state": client_state_kind,
+        "state-dir": str(tmp_path / "state"), "logical-clients": num_clients,
+        "results-dir": str(tmp_path / "results"), "run-name": client_state_kind})
+    grid = Restarting(client_app, run_config, num_clients=3, seed=0)
+    grid.restarted = False
+    view = CohortNodes(SerialNodes(PromptGrid(grid)), num_clients, query_timeout=5.0)
+    experiment = Experiment(parse_run_config(run_config), discover_federation(view), quiet=True)
+    trained_before: set[int] = set()
+    on_round_end = experiment.on_round_end
+
+    def noted(server_round, arrays):
+        if server_round == 2:
+            trained_before.update(p for p, r in experiment.strategy.accepted_round.items() if r > 0)
+        return on_round_end(server_round, arrays)
+
+    experiment.on_round_end = noted
+    experiment.run(view)
+    assert grid.restarted
+    logs = experiment.strategy.rounds
+    lost = [int(p) for p in re.findall(r"client (\d+) had lost its fedcdr state", caplog.text)]
+    if client_state_kind == "disk":
+        assert lost == [] and sum(log.state_lost for log in logs.values()) == 0
+        return
+    # the restarted node's clients that had trained, each the first time it trained again
+    expected = sorted(p for p in trained_before if p % 3 == 1
+                      and any(p in logs[r].sampled for r in range(3, rounds + 1)))
+    assert expected and sorted(lost) == expected
+    assert sum(log.state_lost for log in logs.values()) == len(expected)
