@@ -40,6 +40,8 @@ from fedaccel.cohort_nodes import CohortNodes
 from fedaccel.grids import PromptGrid, SerialNodes
 from fedaccel.membership import TRANSIENT_ATTEMPTS, Federation, TransientAnswer, query_partitions
 
+GIVE_UP_ROUNDS = 3  # a message unanswered this many round-timeouts after it was sent is given up on
+
 
 MISSING_NODES_HINT = (
     "in Flower's simulation, set num-supernodes to what the machine can start "
@@ -338,8 +340,9 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     created = not target.exists()
     run_dir = writable_run_dir(cfg, target)
     with removed_if_left_empty(run_dir, created):
-        grid = PromptGrid(grid)  # replies noticed within ms, not after Flower's fixed 0.1-3 s sleeps
-        grid = SerialNodes(grid)  # a node's next message only once it answered the last (Flower's simulation)
+        # one message at a time per node (SerialNodes), replies noticed within ms, not after
+        # Flower's fixed 0.1-3 s sleeps (PromptGrid)
+        grid = PromptGrid(SerialNodes(grid, give_up_after=GIVE_UP_ROUNDS * cfg.round_timeout))
         if cfg.logical_clients:  # the nodes serve logical clients in slices (fedaccel.cohort_nodes)
             # the fast runner says how the nodes train on stderr, as it does for its own clients
             announce = None if engine != "fast" else (lambda note: None) if quiet else (

@@ -10,6 +10,7 @@ chosen node), to change how often ``send_and_receive`` polls
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -104,74 +105,155 @@ class PromptGrid(GridView):
 
 
 class SerialNodes(GridView):
-    """A Grid that sends a node its next message only once the node has
-    answered the last one.
+    """A Grid that gives each node one message at a time: a message for a
+    node that has one in flight waits here, and is pushed once that one is
+    answered.
 
-    A SuperNode takes its messages one at a time. Flower's simulation does
-    not: it hands a node's next message to another worker while a message
-    that outlived ``round-timeout`` still runs, each worker on its own copy
-    of the node's ``Context``, and the one that ends last overwrites the
-    other's ``context.state`` (``vce_api.worker``). On a cohort node
-    (:mod:`fedaccel.cohort_nodes`) that state holds every client the node
-    serves, so a late envelope would cost clients that were never late
-    their state. Here a message whose reply did not come in time stays
-    *outstanding*; each ``send_and_receive`` first collects the replies
-    outstanding messages got since (or the SuperLink's error reply for
-    one: node gone, message expired; both dropped, as late replies are),
-    and a message for a node that still has one outstanding is not sent:
-    it gets no reply, as a late one. After ``give_up_factor`` times the
-    timeout it was sent with, an outstanding message is given up on (a
-    reply lost for good must not keep a node out), with a warning.
-    Written by hand: Flower's grids forget a message once
-    ``send_and_receive`` has stopped waiting for it.
+    Flower's simulation hands a node's next message to another worker while
+    a message that outlived its round still runs, each worker on its own
+    copy of the node's ``Context``, and the one that ends last overwrites
+    the other's ``context.state`` (``vce_api.worker``); a SuperNode, too,
+    pulls its next message without waiting for its ClientApp to finish the
+    last. On a cohort node (:mod:`fedaccel.cohort_nodes`) that state holds
+    every client the node serves, so a late envelope would cost clients
+    that were never late their state.
+
+    Works at the level of ``push_messages`` / ``pull_messages``, under
+    :class:`PromptGrid` (whose ``send_and_receive`` is a push, then pulls
+    until its timeout): every pull first collects the replies of messages
+    the caller no longer waits for (late: dropped; the SuperLink's error
+    reply for one, node gone or message expired, frees its node too), then
+    pushes each waiting message whose node is free, then pulls what the
+    caller asks for. A message that waited is known to the caller by the id
+    this Grid gave it: its reply says so, and so does the message once its
+    reply came. A waiting message the caller no longer asks for is dropped
+    unsent: it got no reply, as a late one. A message in flight for
+    ``give_up_after`` seconds that the caller no longer waits for is given
+    up on, with a warning (a reply lost for good must not keep a node out;
+    should that message still run, the two overlap).
+
+    Written by hand: Flower's grids send every message at once.
     """
 
-    give_up_factor = 2.0
-
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, give_up_after: float) -> None:
         super().__init__(grid)
-        self._outstanding: dict[str, tuple[int, float]] = {}  # message id -> (node, give up at)
+        self.give_up_after = give_up_after
+        self._in_flight: dict[int, tuple[str, float]] = {}  # node -> (the inner grid's message id, pushed at)
+        self._waiting: dict[str, Message] = {}  # our id -> message, in the order they came
+        self._waited: dict[str, tuple[str, Message]] = {}  # inner id of a message that waited -> (our id, it)
+        self._inner_of: dict[str, str] = {}  # our id -> the inner id, for a message that waited and was pushed
+        self._told: set[int] = set()  # nodes whose waiting was logged (once until they take a message)
 
     @property
     def busy_nodes(self) -> set[int]:
-        """The nodes with a message outstanding."""
-        return {node for node, _ in self._outstanding.values()}
+        """The nodes with a message in flight."""
+        return set(self._in_flight)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        messages = list(messages)
-        self._collect_outstanding()
-        busy = self.busy_nodes
-        held = [m for m in messages if m.metadata.dst_node_id in busy]
-        if held:
-            log(WARNING, "[fedaccel] %s message(s) not sent to node(s) %s, which have not answered an "
-                "earlier message yet (no reply within round-timeout): a node takes one message at a time; "
-                "raise round-timeout if its work takes longer", len(held),
-                ", ".join(str(n) for n in sorted({m.metadata.dst_node_id for m in held})))
-        sent = [m for m in messages if m.metadata.dst_node_id not in busy]
-        replies = list(self._grid.send_and_receive(sent, timeout=timeout)) if sent else []
-        if timeout is not None:
-            answered = {r.metadata.reply_to_message_id for r in replies}
-            give_up_at = time.monotonic() + self.give_up_factor * timeout
-            for m in sent:
-                if m.metadata.message_id and m.metadata.message_id not in answered:
-                    self._outstanding[m.metadata.message_id] = (m.metadata.dst_node_id, give_up_at)
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        now, later = [], []
+        taken = set(self._in_flight) | {m.metadata.dst_node_id for m in self._waiting.values()}
+        for message in messages:
+            node = message.metadata.dst_node_id
+            (later if node in taken else now).append(message)
+            taken.add(node)
+        ids = self._push(now)
+        for message in later:
+            our_id = f"serial-{uuid.uuid4().hex}"
+            message.metadata.__dict__["_message_id"] = our_id
+            self._waiting[our_id] = message
+            ids.append(our_id)
+            self._tell_waiting(message.metadata.dst_node_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        asked = set(message_ids)
+        for our_id in [i for i in self._waiting if i not in asked]:  # the caller stopped waiting for it
+            del self._waiting[our_id]
+        asked_inner = {self._inner_of.get(i, i) for i in asked}
+        self._collect_late(asked_inner)
+        self._push_waiting()
+        replies = []
+        for reply in self._grid.pull_messages([self._inner_of.get(i, i) for i in asked if i not in self._waiting]):
+            replies.append(self._answered(reply))
+        if replies:
+            self._push_waiting()  # a node that answered takes its next message now
         return replies
 
-    def _collect_outstanding(self) -> None:
-        """Drop the outstanding messages that got a reply since, or whose
-        time to give up has come."""
-        if not self._outstanding:
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        raise NotImplementedError("SerialNodes works under PromptGrid, through push_messages and pull_messages")
+
+    # ------------------------------------------------------------ helpers
+    def _push(self, messages: list[Message]) -> list[str]:
+        if not messages:
+            return []
+        ids = [i for i in self._grid.push_messages(messages) if i]
+        stored, now = set(ids), time.monotonic()
+        for message in messages:
+            if message.metadata.message_id in stored:
+                self._in_flight[message.metadata.dst_node_id] = (message.metadata.message_id, now)
+        return ids
+
+    def _push_waiting(self) -> None:
+        """Push each waiting message whose node is free (the first one per node)."""
+        ready: dict[int, str] = {}
+        for our_id, message in self._waiting.items():
+            node = message.metadata.dst_node_id
+            if node not in self._in_flight and node not in ready:
+                ready[node] = our_id
+        for node, our_id in ready.items():
+            message = self._waiting.pop(our_id)
+            self._told.discard(node)
+            for inner_id in self._push([message]):
+                self._waited[inner_id] = (our_id, message)
+                self._inner_of[our_id] = inner_id
+
+    def _answered(self, reply: Message) -> Message:
+        """A reply pulled: its node is free again; a message that waited gets
+        its id back, and its reply says it answers that id."""
+        inner_id = reply.metadata.reply_to_message_id
+        for node, (message_id, _) in list(self._in_flight.items()):
+            if message_id == inner_id:
+                del self._in_flight[node]
+        waited = self._waited.pop(inner_id, None)
+        if waited is not None:
+            our_id, message = waited
+            self._inner_of.pop(our_id, None)
+            message.metadata.__dict__["_message_id"] = our_id
+            reply.metadata.__dict__["_reply_to_message_id"] = our_id
+        return reply
+
+    def _collect_late(self, asked_inner: set[str]) -> None:
+        """Collect the replies of the messages in flight that the caller no
+        longer asks for (dropped: late), and give up on those in flight for
+        longer than ``give_up_after``."""
+        late = {message_id: node for node, (message_id, _) in self._in_flight.items() if message_id not in asked_inner}
+        if not late:
             return
-        for reply in self._grid.pull_messages(list(self._outstanding)):
-            found = self._outstanding.pop(reply.metadata.reply_to_message_id, None)
-            if found is not None:
-                log(INFO, "[fedaccel] node %s answered a message of an earlier round (not used); it gets "
-                    "messages again", found[0])
+        for reply in self._grid.pull_messages(list(late)):
+            node = late.get(reply.metadata.reply_to_message_id)
+            self._answered(reply)
+            if node is None:
+                continue
+            if reply.has_error():
+                log(INFO, "[fedaccel] node %s: a message of an earlier round ended with an error (%s); it "
+                    "takes messages again", node, reply.error.reason)
+            else:
+                log(INFO, "[fedaccel] node %s answered a message of an earlier round (not used); it takes "
+                    "messages again", node)
         now = time.monotonic()
-        for message_id, (node, give_up_at) in list(self._outstanding.items()):
-            if now >= give_up_at:
-                del self._outstanding[message_id]
-                log(WARNING, "[fedaccel] node %s never answered a message (given up after %g times "
-                    "round-timeout); it gets messages again (in Flower's simulation, should that message "
-                    "still be running, the two overwrite each other's client state: raise round-timeout)",
-                    node, self.give_up_factor)
+        for node, (message_id, pushed_at) in list(self._in_flight.items()):
+            if message_id in late and now - pushed_at >= self.give_up_after:
+                del self._in_flight[node]
+                waited = self._waited.pop(message_id, None)
+                if waited is not None:
+                    self._inner_of.pop(waited[0], None)
+                log(WARNING, "[fedaccel] node %s has not answered a message sent %.0f s ago: given up on, it "
+                    "takes messages again (should that message still run, the two overwrite each other's "
+                    "client state in Flower's simulation: raise round-timeout)", node, now - pushed_at)
+
+    def _tell_waiting(self, node: int) -> None:
+        if node not in self._told:
+            self._told.add(node)
+            log(WARNING, "[fedaccel] node %s has not answered its last message yet: its next one waits until "
+                "it has (a node takes one message at a time; one still waiting when its round ends is not "
+                "sent). Raise round-timeout if a node's work takes longer", node)

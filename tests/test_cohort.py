@@ -944,7 +944,7 @@ def test_memory_per_client_counts_activations_and_model_copies() -> None:
     assert bytes_per_client(cnn, torch.zeros(1, 8, 8), 16) > large
     per_client = bytes_per_client(mlp, torch.zeros(6), 16)
     assert chunk_size(mlp, torch.zeros(6), 16, available=32 * per_client) == 8  # a quarter of it
-    # rounded down to a power of two: the same chunks while the memory moves by less than half
+    # rounded down to a power of two: the same chunks while 8 to 15 clients fit
     assert {chunk_size(mlp, torch.zeros(6), 16, available=k * 4 * per_client) for k in range(8, 16)} == {8}
     assert chunk_size(mlp, torch.zeros(6), 16, available=4 * 16 * per_client) == 16
     assert chunk_size(mlp, torch.zeros(6), 16, available=1) == 1

@@ -585,7 +585,7 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         "round-timeout": 0.5})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
     cfg = parse_run_config(run_config)
-    view = CohortNodes(SerialNodes(PromptGrid(grid)), num_clients, query_timeout=5.0)
+    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=1e9)), num_clients, query_timeout=5.0)
     experiment = Experiment(cfg, discover_federation(view), quiet=True)
     x0: dict[str, np.ndarray] = {}
     checked_rounds = []
@@ -648,7 +648,7 @@ def test_a_restarted_cohort_node_loses_its_clients_context_state_alone(tmp_path,
         "results-dir": str(tmp_path / "results"), "run-name": client_state_kind})
     grid = Restarting(client_app, run_config, num_clients=3, seed=0)
     grid.restarted = False
-    view = CohortNodes(SerialNodes(PromptGrid(grid)), num_clients, query_timeout=5.0)
+    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=1e9)), num_clients, query_timeout=5.0)
     experiment = Experiment(parse_run_config(run_config), discover_federation(view), quiet=True)
     trained_before: set[int] = set()
     on_round_end = experiment.on_round_end

@@ -10,7 +10,7 @@ from flwr.common.constant import ErrorCode
 
 import fedaccel.grids as grids
 from fakes import StubGrid
-from fedaccel.grids import GridView, NodeSubset, PromptGrid, SerialNodes
+from fedaccel.grids import NodeSubset, PromptGrid, SerialNodes
 
 pytestmark = pytest.mark.usefixtures("server_identity")
 
@@ -99,15 +99,17 @@ def test_node_subset_shows_only_the_chosen_nodes():
     assert list(grid.get_node_ids()) == [1, 2, 3]
 
 
-class _ManualGrid(StubGrid):
-    """Pushed messages wait for :meth:`answer` (a reply) or :meth:`fail` (the
-    SuperLink's error reply); ``pushed``: the node of every message pushed."""
+class _TimedGrid(StubGrid):
+    """A node answers each message ``delay[node]`` seconds (as it was when
+    the message was pushed; None: never) after it was pushed, or with the
+    SuperLink's error reply once :meth:`fail_in_flight`; ``pushed``: the node
+    of every message pushed, in order."""
 
-    def __init__(self, node_ids) -> None:
-        super().__init__(node_ids)
+    def __init__(self, clock: _FakeClock, delay: dict) -> None:
+        super().__init__(sorted(delay))
+        self.clock, self.delay, self.errors = clock, dict(delay), set()
         self.pushed: list[int] = []
-        self._waiting: dict[str, Message] = {}
-        self._ready: dict[str, Message] = {}
+        self._held: dict[str, tuple[Message, float, float | None]] = {}
         self._count = 0
 
     def push_messages(self, messages):
@@ -115,73 +117,109 @@ class _ManualGrid(StubGrid):
         for m in messages:
             self._count += 1
             m.metadata.__dict__["_message_id"] = f"id{self._count}"
-            self._waiting[m.metadata.message_id] = m
+            self._held[m.metadata.message_id] = (m, self.clock.now, self.delay[m.metadata.dst_node_id])
             self.pushed.append(m.metadata.dst_node_id)
             ids.append(m.metadata.message_id)
         return ids
 
-    def answer(self, node: int, error: bool = False) -> None:
-        for mid, m in list(self._waiting.items()):
-            if m.metadata.dst_node_id == node:
-                del self._waiting[mid]
-                self._ready[mid] = (Message(Error(ErrorCode.NODE_UNAVAILABLE, "node offline"), reply_to=m) if error
-                                    else Message(RecordDict({"metrics": MetricRecord({"node": node})}), reply_to=m))
-
     def pull_messages(self, message_ids):
-        return [self._ready.pop(mid) for mid in message_ids if mid in self._ready]
+        out = []
+        for mid in message_ids:
+            if mid not in self._held:
+                continue
+            m, at, delay = self._held[mid]
+            node = m.metadata.dst_node_id
+            if mid in self.errors:
+                del self._held[mid]
+                out.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, "node offline"), reply_to=m))
+            elif delay is not None and self.clock.now >= at + delay:
+                del self._held[mid]
+                out.append(Message(RecordDict({"metrics": MetricRecord({"node": node, "sent": at})}), reply_to=m))
+        return out
+
+    def fail_in_flight(self, node: int) -> None:
+        self.errors.update(mid for mid, (m, _, _) in self._held.items() if m.metadata.dst_node_id == node)
 
 
-def _round(view, grid, answering, timeout=1.0):
-    """One send to nodes 1-3 through ``view``; the nodes in ``answering`` reply at once."""
-    class Answering(GridView):
-        def send_and_receive(self, messages, *, timeout=None):
-            ids = self._grid.push_messages(messages)
-            for node in answering:
-                grid.answer(node)
-            return self._grid.pull_messages(ids)
-    view._grid = Answering(grid)
+def _send(view, nodes, timeout=1.0):
+    """One send_and_receive of a message to each of ``nodes``; the nodes that
+    replied, and each reply's message checked to be the one it answers."""
+    messages = _queries(max(nodes))
+    messages = [messages[n - 1] for n in nodes]
+    replies = list(view.send_and_receive(messages, timeout=timeout))
+    by_id = {m.metadata.message_id: m for m in messages}
+    for r in replies:  # a reply answers one of this call's messages, by the id the caller knows
+        assert by_id[r.metadata.reply_to_message_id].metadata.dst_node_id == int(r.content["metrics"]["node"])
+    return sorted(int(r.content["metrics"]["node"]) for r in replies)
+
+
+def test_a_nodes_next_message_waits_until_it_answered_the_last(monkeypatch):
+    """Node 2 answers after 1.5 s, past the 1 s timeout: the next round's
+    message for it is not pushed at once but when its late reply has come
+    (dropped, not returned), and answered within that round; the other
+    nodes go on as usual."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 1.5, 3: 0.01})
+    view = PromptGrid(SerialNodes(grid, give_up_after=3.0))
+    assert _send(view, [1, 2, 3]) == [1, 3]
+    assert view._grid.busy_nodes == {2} and grid.pushed == [1, 2, 3]
+    grid.delay[2] = 0.2  # for the messages pushed from now on
+    assert _send(view, [1, 2, 3]) == [1, 2, 3]  # its late reply is not among them
+    assert grid.pushed == [1, 2, 3, 1, 3, 2]  # node 2's message pushed after the others, once it was free
+    assert clock.now == pytest.approx(1.7, abs=0.2)  # late reply in at t=1.5, the new one 0.2 s after its push
+    assert view._grid.busy_nodes == set()
+
+
+def test_a_waiting_message_whose_round_ends_is_not_sent(monkeypatch):
+    """Node 2 never answers within the next round either: that round's
+    message for it waits the whole round and is dropped unsent; every
+    message of a round can wait so, and the round then ends at its timeout
+    with no reply rather than at once."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 10.0})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    assert _send(view, [1, 2]) == [1]
+    start = clock.now
+    assert _send(view, [2]) == []
+    assert clock.now - start == pytest.approx(1.0)  # waited for it until the timeout
+    assert grid.pushed == [1, 2]  # the second message for node 2 was never sent
+    clock.now = 11.0  # node 2's first reply is in: nothing of it is sent later either
+    assert _send(view, [1]) == [1] and grid.pushed == [1, 2, 1]
+
+
+def test_an_error_reply_or_a_reply_lost_for_good_frees_the_node(monkeypatch, caplog):
+    """The SuperLink's error reply for a message in flight (node offline)
+    frees its node; a message never answered is given up on
+    ``give_up_after`` seconds after it was pushed, not before."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: None, 3: None})
+    serial = SerialNodes(grid, give_up_after=20.0)
+    view = PromptGrid(serial)
+    assert _send(view, [1, 2, 3], timeout=10.0) == [1]  # pushed at t=0
+    assert serial.busy_nodes == {2, 3}
+    grid.fail_in_flight(3)  # the SuperLink answers node 3's message: node offline
+    grid.delay.update({2: 0.01, 3: 0.01})
+    clock.now = 19.0
     grid.pushed.clear()
-    return sorted(int(r.content["metrics"]["node"]) for r in view.send_and_receive(_queries(3), timeout=timeout))
+    assert _send(view, [1, 2, 3], timeout=0.5) == [1, 3]  # node 3 free again: its new message answered
+    assert grid.pushed == [1, 3] and serial.busy_nodes == {2}  # node 2's not sent: 19.5 s < 20 s
+    assert "node 3: a message of an earlier round ended with an error (node offline)" in caplog.text
+    clock.now = 20.0  # 20 s after node 2's message was pushed
+    assert _send(view, [1, 2, 3], timeout=1.0) == [1, 2, 3]
+    assert serial.busy_nodes == set() and "node 2 has not answered a message sent 20 s ago" in caplog.text
 
 
-def test_a_node_gets_no_message_while_its_last_one_is_unanswered(monkeypatch):
-    """Node 2 does not reply in time: its next message is not sent (and gets
-    no reply) until its late reply has come, which is not returned; the
-    other nodes go on as usual."""
+def test_two_messages_for_one_node_in_one_send_go_one_after_the_other(monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(grids, "time", clock)
-    grid = _ManualGrid([1, 2, 3])
-    view = SerialNodes(grid)
-    assert _round(view, grid, answering=[1, 3]) == [1, 3]
-    assert view.busy_nodes == {2}
-    assert _round(view, grid, answering=[1, 3]) == [1, 3]
-    assert grid.pushed == [1, 3]  # nothing sent to node 2: it still works on the first
-    grid.answer(2)  # the late reply arrives
-    assert _round(view, grid, answering=[1, 2, 3]) == [1, 2, 3]  # the late reply is not among them
-    assert grid.pushed == [1, 2, 3] and view.busy_nodes == set()
-
-
-def test_an_error_reply_or_a_reply_lost_for_good_frees_the_node(monkeypatch):
-    """The SuperLink's error reply for an outstanding message (node offline)
-    frees its node; a message never answered is given up on after
-    ``give_up_factor`` times the timeout it was sent with, not before."""
-    clock = _FakeClock()
-    monkeypatch.setattr(grids, "time", clock)
-    grid = _ManualGrid([1, 2, 3])
-    view = SerialNodes(grid)
-    _round(view, grid, answering=[1], timeout=10.0)
-    assert view.busy_nodes == {2, 3}
-    grid.answer(3, error=True)
-    clock.now = 19.9  # before 2 x 10 s
-    assert _round(view, grid, answering=[1, 3], timeout=10.0) == [1, 3]
-    assert grid.pushed == [1, 3] and view.busy_nodes == {2}
-    clock.now = 20.0
-    assert _round(view, grid, answering=[1, 2, 3], timeout=10.0) == [1, 2, 3]
-    assert grid.pushed == [1, 2, 3] and view.busy_nodes == set()
-
-
-def test_without_a_timeout_nothing_is_outstanding(monkeypatch):
-    grid = _ManualGrid([1, 2, 3])
-    view = SerialNodes(grid)
-    _round(view, grid, answering=[1], timeout=None)
-    assert view.busy_nodes == set()
+    grid = _TimedGrid(clock, {1: 0.3})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    first, second = _queries(1) + _queries(1)
+    replies = list(view.send_and_receive([first, second], timeout=1.0))
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == sorted([first.metadata.message_id,
+                                                                              second.metadata.message_id])
+    sent = sorted(float(r.content["metrics"]["sent"]) for r in replies)
+    assert sent[0] == 0.0 and sent[1] >= 0.3  # the second pushed once the first was answered

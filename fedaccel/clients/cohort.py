@@ -177,7 +177,8 @@ def chunk_size(model: torch.nn.Module, sample: torch.Tensor, batch_size: int,
     ``available`` bytes, rounded down to a power of two (at least 1); no
     limit where the machine does not say. The power of two keeps the chunks,
     hence which clients share a batch and so the float32 bits, the same from
-    one run to the next while the memory available moves by less than half."""
+    one run to the next while the clients that fit stay between the same two
+    powers of two."""
     if available is None:
         return 1 << 30
     fits = max(1, int(fraction * available) // max(bytes_per_client(model, sample, batch_size, extra), 1))

@@ -356,8 +356,8 @@ class FedAccelStrategy:
                 log_.state_lost += 1
                 log(WARNING, "round %s: client %s had lost its %s state (a SuperNode restarted "
                     "with client-state='context', or, in Flower's simulation, a message of it "
-                    "that had timed out was still running when this one came, twice round-timeout "
-                    "later); it restarted "
+                    "that had timed out was still running when this one came, three round-timeouts "
+                    "after it was sent); it restarted "
                     "from the initial state, so the algorithm's invariants no longer hold "
                     "exactly. Use client-state='disk' for restarts, and a round-timeout longer "
                     "than the slowest client's round.",
