@@ -139,6 +139,7 @@ class SerialNodes(GridView):
         super().__init__(grid)
         self.give_up_after = give_up_after
         self._in_flight: dict[int, tuple[str, float]] = {}  # node -> (the inner grid's message id, pushed at)
+        self._node_of: dict[str, int] = {}  # inner id of a message in flight -> its node
         self._waiting: dict[str, Message] = {}  # our id -> message, in the order they came
         self._waited: dict[str, tuple[str, Message]] = {}  # inner id of a message that waited -> (our id, it)
         self._inner_of: dict[str, str] = {}  # our id -> the inner id, for a message that waited and was pushed
@@ -151,7 +152,8 @@ class SerialNodes(GridView):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         now, later = [], []
-        taken = set(self._in_flight) | {m.metadata.dst_node_id for m in self._waiting.values()}
+        taken = set(self._in_flight)
+        taken.update(m.metadata.dst_node_id for m in self._waiting.values())
         for message in messages:
             node = message.metadata.dst_node_id
             (later if node in taken else now).append(message)
@@ -167,16 +169,30 @@ class SerialNodes(GridView):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         asked = set(message_ids)
-        for our_id in [i for i in self._waiting if i not in asked]:  # the caller stopped waiting for it
-            del self._waiting[our_id]
-        asked_inner = {self._inner_of.get(i, i) for i in asked}
-        self._collect_late(asked_inner)
-        self._push_waiting()
+        if self._waiting:
+            for our_id in [i for i in self._waiting if i not in asked]:  # the caller stopped waiting for it
+                del self._waiting[our_id]
+        wanted = [self._inner_of.get(i, i) for i in asked if i not in self._waiting]
+        # in flight, and no longer asked for: late (their replies are dropped)
+        late = set(self._node_of).difference(wanted)
         replies = []
-        for reply in self._grid.pull_messages([self._inner_of.get(i, i) for i in asked if i not in self._waiting]):
-            replies.append(self._answered(reply))
-        if replies:
-            self._push_waiting()  # a node that answered takes its next message now
+        pulled = self._grid.pull_messages(wanted + list(late)) if wanted or late else []
+        for reply in pulled:
+            inner_id = reply.metadata.reply_to_message_id
+            node = self._node_of.get(inner_id)
+            reply = self._answered(reply)
+            if inner_id not in late:
+                replies.append(reply)
+            elif reply.has_error():
+                log(INFO, "[fedaccel] node %s: a message of an earlier round ended with an error (%s); it "
+                    "takes messages again", node, reply.error.reason)
+            else:
+                log(INFO, "[fedaccel] node %s answered a message of an earlier round (not used); it takes "
+                    "messages again", node)
+        if late:
+            self._give_up(late)
+        if self._waiting:
+            self._push_waiting()
         return replies
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
@@ -189,8 +205,10 @@ class SerialNodes(GridView):
         ids = [i for i in self._grid.push_messages(messages) if i]
         stored, now = set(ids), time.monotonic()
         for message in messages:
-            if message.metadata.message_id in stored:
-                self._in_flight[message.metadata.dst_node_id] = (message.metadata.message_id, now)
+            message_id = message.metadata.message_id
+            if message_id in stored:
+                self._in_flight[message.metadata.dst_node_id] = (message_id, now)
+                self._node_of[message_id] = message.metadata.dst_node_id
         return ids
 
     def _push_waiting(self) -> None:
@@ -210,43 +228,28 @@ class SerialNodes(GridView):
     def _answered(self, reply: Message) -> Message:
         """A reply pulled: its node is free again; a message that waited gets
         its id back, and its reply says it answers that id."""
-        inner_id = reply.metadata.reply_to_message_id
-        for node, (message_id, _) in list(self._in_flight.items()):
-            if message_id == inner_id:
-                del self._in_flight[node]
+        self._forget(reply.metadata.reply_to_message_id, reply)
+        return reply
+
+    def _forget(self, inner_id: str, reply: Message | None = None) -> None:
+        """Message ``inner_id`` is no longer in flight (answered by ``reply``, or given up on)."""
+        node = self._node_of.pop(inner_id, None)
+        if node is not None and self._in_flight.get(node, ("",))[0] == inner_id:
+            del self._in_flight[node]
         waited = self._waited.pop(inner_id, None)
         if waited is not None:
             our_id, message = waited
             self._inner_of.pop(our_id, None)
-            message.metadata.__dict__["_message_id"] = our_id
-            reply.metadata.__dict__["_reply_to_message_id"] = our_id
-        return reply
+            if reply is not None:
+                message.metadata.__dict__["_message_id"] = our_id
+                reply.metadata.__dict__["_reply_to_message_id"] = our_id
 
-    def _collect_late(self, asked_inner: set[str]) -> None:
-        """Collect the replies of the messages in flight that the caller no
-        longer asks for (dropped: late), and give up on those in flight for
-        longer than ``give_up_after``."""
-        late = {message_id: node for node, (message_id, _) in self._in_flight.items() if message_id not in asked_inner}
-        if not late:
-            return
-        for reply in self._grid.pull_messages(list(late)):
-            node = late.get(reply.metadata.reply_to_message_id)
-            self._answered(reply)
-            if node is None:
-                continue
-            if reply.has_error():
-                log(INFO, "[fedaccel] node %s: a message of an earlier round ended with an error (%s); it "
-                    "takes messages again", node, reply.error.reason)
-            else:
-                log(INFO, "[fedaccel] node %s answered a message of an earlier round (not used); it takes "
-                    "messages again", node)
+    def _give_up(self, late: set[str]) -> None:
+        """Give up on the late messages in flight for ``give_up_after`` seconds or more."""
         now = time.monotonic()
         for node, (message_id, pushed_at) in list(self._in_flight.items()):
             if message_id in late and now - pushed_at >= self.give_up_after:
-                del self._in_flight[node]
-                waited = self._waited.pop(message_id, None)
-                if waited is not None:
-                    self._inner_of.pop(waited[0], None)
+                self._forget(message_id)
                 log(WARNING, "[fedaccel] node %s has not answered a message sent %.0f s ago: given up on, it "
                     "takes messages again (should that message still run, the two overwrite each other's "
                     "client state in Flower's simulation: raise round-timeout)", node, now - pushed_at)
