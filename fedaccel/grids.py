@@ -120,11 +120,12 @@ class SerialNodes(GridView):
 
     Works at the level of ``push_messages`` / ``pull_messages``, under
     :class:`PromptGrid` (whose ``send_and_receive`` is a push, then pulls
-    until its timeout): every pull first collects the replies of messages
-    the caller no longer waits for (late: dropped; the SuperLink's error
-    reply for one, node gone or message expired, frees its node too), then
-    pushes each waiting message whose node is free, then pulls what the
-    caller asks for. A message that waited is known to the caller by the id
+    until its timeout, each pull asking for every message it still waits
+    for: a message in flight that a pull does not ask for is late). Each
+    pull fetches, with the replies asked for, those of the late messages
+    (dropped; the SuperLink's error reply for one, node gone or message
+    expired, frees its node too), then pushes each waiting message whose
+    node is free. A message that waited is known to the caller by the id
     this Grid gave it: its reply says so, and so does the message once its
     reply came. A waiting message the caller no longer asks for is dropped
     unsent: it got no reply, as a late one. A message in flight for
