@@ -223,3 +223,29 @@ def test_two_messages_for_one_node_in_one_send_go_one_after_the_other(monkeypatc
                                                                               second.metadata.message_id])
     sent = sorted(float(r.content["metrics"]["sent"]) for r in replies)
     assert sent[0] == 0.0 and sent[1] >= 0.3  # the second pushed once the first was answered
+
+
+def test_every_run_sends_through_serial_nodes(tmp_path, monkeypatch):
+    """run_experiment (the fast runner's and flwr run's ServerApp) puts
+    SerialNodes under PromptGrid, giving up on a message three round-timeouts
+    after it was sent, and every message of the run goes through it."""
+    import fedaccel.experiment as experiment
+    from fedaccel.local_run import default_run_config, fuse, run_local
+
+    made, pushed = [], []
+
+    class Recording(SerialNodes):
+        def __init__(self, grid, give_up_after):
+            super().__init__(grid, give_up_after)
+            made.append(give_up_after)
+
+        def push_messages(self, messages):
+            messages = list(messages)
+            pushed.extend(m.metadata.message_type for m in messages)
+            return super().push_messages(messages)
+
+    monkeypatch.setattr(experiment, "SerialNodes", Recording)
+    run_local(fuse(default_run_config(), {"num-server-rounds": 1, "clients-per-round": 2, "round-timeout": 7.0,
+                                          "results-dir": str(tmp_path), "accl-every": 1}), 3, quiet=True)
+    assert made == [21.0]
+    assert pushed.count("train") == 2 and pushed.count("query") == 3 and "evaluate" in pushed
