@@ -82,15 +82,19 @@ def test_no_steps_mode_takes_out_the_steps_and_nothing_else(tmp_path, algo):
 @pytest.mark.slow  # a real child run (7 s)
 def test_profile_writes_each_runs_profile_and_marks_its_row(tmp_path):
     """``--profile``: each child run writes its cProfile (by cumulative and by
-    own time) to ``<out>/profiles/``; its record says ``profiled`` and the
-    table labels the row, so inflated timings are never read as a measurement."""
+    own time, and the raw ``.prof`` beside it for pstats) to
+    ``<out>/profiles/``; its record says ``profiled`` and the table labels
+    the row, so inflated timings are never read as a measurement."""
+    import pstats
+
     overhead = _overhead()
     assert overhead.main(["--workloads", "mlp-synthetic", "--algos", "fedavg", "--modes", "cohort",
                           "--clients", "20", "--rounds", "2", "--profile", "--out", str(tmp_path)]) == 0
-    profiles = list((tmp_path / "profiles").iterdir())
-    assert len(profiles) == 1
-    text = profiles[0].read_text()
+    profiles = sorted((tmp_path / "profiles").iterdir())
+    assert [p.suffix for p in profiles] == [".prof", ".txt"] and profiles[0].stem == profiles[1].stem
+    text = profiles[1].read_text()
     assert "cumulative time" in text and "internal time" in text and "fit_cohort" in text
+    assert any(name == "fit_cohort" for _, _, name in pstats.Stats(str(profiles[0])).stats)
     import json
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r.get("profiled") for r in records] == [True]
