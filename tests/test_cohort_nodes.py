@@ -481,7 +481,13 @@ class EnvelopeFaults(LocalGrid):
     that copy back as the node's Context: Flower's simulation keeps the
     Context of the worker that ends last), ``crash`` (an error reply: every
     client's reply is that error) or ``nan`` (its first client's reply
-    carries non-finite values and is rejected). ``delivered``: the
+    carries non-finite values and is rejected), ``chunk-crash`` (the
+    batched steps of the envelope's second chunk raise after its first
+    chunk's clients trained and sealed their state: the envelope fails as a
+    whole, and the node's Context keeps what the first chunk wrote, as the
+    in-process grid's does) or ``chunk-crash-flower`` (the same, and the
+    node's Context is the one from before the envelope, as Flower's
+    simulation keeps it when a ClientApp raised). ``delivered``: the
     ``(round, slot)`` of every training envelope a node got."""
 
     def __init__(self, *args, faults, **kwargs):
@@ -508,6 +514,8 @@ class EnvelopeFaults(LocalGrid):
             self._late.append((server_round, reply, copy))
             self.applied.append((server_round, slot, kind))
             return reply
+        if kind in ("chunk-crash", "chunk-crash-flower"):
+            return self._crash_in_second_chunk(message, context, server_round, slot, kind)
         reply = super().deliver(message)
         if kind is None:
             return reply
@@ -518,6 +526,31 @@ class EnvelopeFaults(LocalGrid):
             arrays = reply.content["0/arrays"]
             reply.content["0/arrays"] = ArrayRecord({k: Array(np.full(a.shape, np.nan, dtype=np.float32))
                                                      for k, a in arrays.items()})
+        return reply
+
+    def _crash_in_second_chunk(self, message, context, server_round, slot, kind):
+        import fedaccel.clients.cohort as cohort
+
+        before = record_dict_bytes(context.state.saved())
+        train_stacked, calls = cohort.train_stacked, []
+
+        def crashing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("out of memory in the second chunk")
+            return train_stacked(*args, **kwargs)
+
+        cohort.train_stacked = crashing
+        try:
+            reply = super().deliver(message)
+        finally:
+            cohort.train_stacked = train_stacked
+        if len(calls) < 2:  # one client of this node in the round: nothing sealed before a crash
+            return reply
+        assert reply.has_error()
+        if kind == "chunk-crash-flower":
+            context.state.restore(record_dict_from_bytes(before))
+        self.applied.append((server_round, slot, kind))
         return reply
 
     def finish_late(self, server_round: int) -> None:
@@ -563,8 +596,10 @@ def logical_states(grid: EnvelopeFaults, strategy, cfg, name: str, num_clients: 
 def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(tmp_path, algo, client_state_kind,
                                                                                 stragglers):
     """A late envelope (its reply after the next round, its Context written
-    back then, as in Flower's simulation), a crashed node and one rejected
-    client's reply (and, with ``stragglers``, a third of each round's clients
+    back then, as in Flower's simulation), a crashed node, an envelope whose
+    second chunk's batched steps raised after its first chunk's clients
+    sealed their state (its node's Context as the in-process grid keeps it,
+    and as Flower's simulation does), one rejected client's reply (and, with ``stragglers``, a third of each round's clients
     dropped): after every round each logical client holds exactly the state
     version of the round the server applied, in its node's context or its
     folder, and the server's aggregate agrees with the clients' (SCAFFOLD's
@@ -574,7 +609,8 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
     a node with an envelope outstanding gets none in the next round
     (SerialNodes). Without that, the late worker's Context would overwrite
     what the node's clients trained in that round."""
-    faults = {2: {0: "late"}, 3: {1: "crash"}, 4: {2: "nan", 0: "late"}}
+    faults = {1: {1: "chunk-crash"}, 2: {0: "late", 2: "chunk-crash-flower"}, 3: {1: "crash"},
+              4: {2: "nan", 0: "late"}, 5: {1: "chunk-crash", 2: "chunk-crash-flower"}}
     num_clients, rounds = 9, 5
     run_config = fuse(default_run_config(), {
         "algo": algo, "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
@@ -582,7 +618,7 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         "state-dir": str(tmp_path / "state"),
         **({"straggler-fraction": 0.34, "straggler-policy": "drop"} if stragglers else {}),
         "logical-clients": num_clients, "results-dir": str(tmp_path / "results"), "run-name": algo,
-        "round-timeout": 0.5})
+        "round-timeout": 0.5, "cohort-batching": "on", "cohort-chunk": 1})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
     cfg = parse_run_config(run_config)
     view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=1e9)), num_clients, query_timeout=5.0)
@@ -608,7 +644,7 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
     assert checked_rounds == list(range(1, rounds + 1))
     # each kind of fault happened (a fault on a node none of whose clients
     # were sampled that round has nothing to act on: FedCDR's reshuffled cohorts)
-    assert {kind for *_, kind in grid.applied} == {"late", "crash", "nan"}
+    assert {kind for *_, kind in grid.applied} == {"late", "crash", "nan", "chunk-crash", "chunk-crash-flower"}
     logs = experiment.strategy.rounds
     assert sum(log.rejected for log in logs.values()) == 1
     assert all(logs[r].failures >= 1 for r, _, _ in grid.applied)
