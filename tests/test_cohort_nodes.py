@@ -487,7 +487,9 @@ class EnvelopeFaults(LocalGrid):
     whole, and the node's Context keeps what the first chunk wrote, as the
     in-process grid's does) or ``chunk-crash-flower`` (the same, and the
     node's Context is the one from before the envelope, as Flower's
-    simulation keeps it when a ClientApp raised). ``delivered``: the
+    simulation keeps it when a ClientApp raised) or ``lost`` (the node
+    trained and kept its Context, and its reply is lost for good).
+    ``delivered``: the
     ``(round, slot)`` of every training envelope a node got."""
 
     def __init__(self, *args, faults, **kwargs):
@@ -512,6 +514,11 @@ class EnvelopeFaults(LocalGrid):
             reply = self.client_app(message, copy)
             reply.metadata.__dict__["_late"] = True
             self._late.append((server_round, reply, copy))
+            self.applied.append((server_round, slot, kind))
+            return reply
+        if kind == "lost":
+            reply = super().deliver(message)
+            reply.metadata.__dict__["_late"] = True  # and never finished
             self.applied.append((server_round, slot, kind))
             return reply
         if kind in ("chunk-crash", "chunk-crash-flower"):
@@ -655,6 +662,56 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         if kind == "late" and late_round < rounds:
             assert any(p % 3 == slot for p in logs[late_round + 1].sampled)
             assert (late_round + 1, slot) not in grid.delivered
+
+
+def test_a_node_whose_reply_is_lost_for_good_is_given_up_on_and_trains_again(tmp_path, caplog):
+    """A cohort node trained its envelope and its reply never comes: the
+    node gets no message while SerialNodes waits for it, then, once given
+    up on (``GIVE_UP_ROUNDS`` round-timeouts after it was sent, as every run
+    does), trains again; its clients roll the unapplied version back, and
+    after every round both sides agree (SCAFFOLD's c = mean c_i and each
+    client's state version), no state lost."""
+    import logging
+
+    from fedaccel.experiment import GIVE_UP_ROUNDS
+
+    algo, num_clients, rounds, lost_round = "scaffold", 9, 9, 2
+    run_config = fuse(default_run_config(), {
+        "algo": algo, "num-server-rounds": rounds, "clients-per-round": 6, "local-epochs": 1,
+        "accl-every": 0, "synthetic.max-samples": 60, "logical-clients": num_clients,
+        "results-dir": str(tmp_path / "results"), "run-name": algo, "round-timeout": 0.3})
+    grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults={lost_round: {0: "lost"}})
+    cfg = parse_run_config(run_config)
+    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=GIVE_UP_ROUNDS * cfg.round_timeout)),
+                       num_clients, query_timeout=5.0)
+    experiment = Experiment(cfg, discover_federation(view), quiet=True)
+    x0: dict[str, np.ndarray] = {}
+    on_round_end = experiment.on_round_end
+
+    def checked(server_round, arrays):
+        out = on_round_end(server_round, arrays)
+        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        if server_round == 0:
+            x0.update(model)
+            return out
+        states = logical_states(grid, experiment.strategy, cfg, STATE_NAME[algo], num_clients)
+        invariant_error(algo, experiment.strategy, states, model, x0)
+        return out
+
+    experiment.on_round_end = checked
+    caplog.set_level(logging.WARNING, logger="flwr")
+    experiment.run(view)
+    assert grid.applied == [(lost_round, 0, "lost")]
+    assert any("given up on, it takes messages again" in r.getMessage() for r in caplog.records)
+    logs = experiment.strategy.rounds
+    assert sum(log.state_lost for log in logs.values()) == 0
+    after = [r for r, slot in grid.delivered if slot == 0 and r > lost_round]
+    assert after, "node 0 never trained again after its reply was lost"
+    # while it was waited for it got nothing, though its clients were sampled
+    skipped = [r for r in range(lost_round + 1, after[0]) if any(p % 3 == 0 for p in logs[r].sampled)]
+    assert skipped
+    # its clients that trained again hold the version the server applied (checked every round above)
+    assert any(logs[r].failures == 0 for r in after)
 
 
 @pytest.mark.parametrize("client_state_kind", ["context", "disk"])
