@@ -594,6 +594,38 @@ def logical_states(grid: EnvelopeFaults, strategy, cfg, name: str, num_clients: 
     return out
 
 
+def run_checked(grid: EnvelopeFaults, run_config: dict, algo: str, num_clients: int, give_up_after: float,
+                after_check=None) -> tuple[Experiment, list[int]]:
+    """Run ``grid``'s federation as every run does (cohort nodes over
+    PromptGrid over SerialNodes) and, after every round, check that each
+    logical client holds the version the server applied and that the
+    server's aggregate agrees with the clients' (:func:`invariant_error`);
+    then ``after_check(round)``. Returns the experiment and the rounds checked."""
+    cfg = parse_run_config(run_config)
+    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=give_up_after)), num_clients, query_timeout=5.0)
+    experiment = Experiment(cfg, discover_federation(view), quiet=True)
+    x0: dict[str, np.ndarray] = {}
+    checked_rounds: list[int] = []
+    on_round_end = experiment.on_round_end
+
+    def checked(server_round, arrays):
+        out = on_round_end(server_round, arrays)
+        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
+        if server_round == 0:
+            x0.update(model)
+            return out
+        states = logical_states(grid, experiment.strategy, cfg, STATE_NAME[algo], num_clients)
+        invariant_error(algo, experiment.strategy, states, model, x0)
+        checked_rounds.append(server_round)
+        if after_check is not None:
+            after_check(server_round)
+        return out
+
+    experiment.on_round_end = checked
+    experiment.run(view)
+    return experiment, checked_rounds
+
+
 @pytest.mark.parametrize("algo,client_state_kind,stragglers", [
     ("scaffold", "context", False), ("fedcdr", "context", False), ("feddc", "disk", True),
     pytest.param("feddyn", "context", True, marks=pytest.mark.slow),
@@ -627,27 +659,9 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
         "logical-clients": num_clients, "results-dir": str(tmp_path / "results"), "run-name": algo,
         "round-timeout": 0.5, "cohort-batching": "on", "cohort-chunk": 1})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults=faults)
-    cfg = parse_run_config(run_config)
-    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=1e9)), num_clients, query_timeout=5.0)
-    experiment = Experiment(cfg, discover_federation(view), quiet=True)
-    x0: dict[str, np.ndarray] = {}
-    checked_rounds = []
-    on_round_end = experiment.on_round_end
-
-    def checked(server_round, arrays):
-        out = on_round_end(server_round, arrays)
-        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        if server_round == 0:
-            x0.update(model)
-            return out
-        states = logical_states(grid, experiment.strategy, cfg, STATE_NAME[algo], num_clients)
-        invariant_error(algo, experiment.strategy, states, model, x0)
-        checked_rounds.append(server_round)
-        grid.finish_late(server_round)  # a late envelope of the round before ends now
-        return out
-
-    experiment.on_round_end = checked
-    experiment.run(view)
+    # a late envelope of the round before ends after each round's check
+    experiment, checked_rounds = run_checked(grid, run_config, algo, num_clients, give_up_after=1e9,
+                                             after_check=grid.finish_late)
     assert checked_rounds == list(range(1, rounds + 1))
     # each kind of fault happened (a fault on a node none of whose clients
     # were sampled that round has nothing to act on: FedCDR's reshuffled cohorts)
@@ -681,26 +695,10 @@ def test_a_node_whose_reply_is_lost_for_good_is_given_up_on_and_trains_again(tmp
         "accl-every": 0, "synthetic.max-samples": 60, "logical-clients": num_clients,
         "results-dir": str(tmp_path / "results"), "run-name": algo, "round-timeout": 0.3})
     grid = EnvelopeFaults(client_app, run_config, num_clients=3, seed=0, faults={lost_round: {0: "lost"}})
-    cfg = parse_run_config(run_config)
-    view = CohortNodes(PromptGrid(SerialNodes(grid, give_up_after=GIVE_UP_ROUNDS * cfg.round_timeout)),
-                       num_clients, query_timeout=5.0)
-    experiment = Experiment(cfg, discover_federation(view), quiet=True)
-    x0: dict[str, np.ndarray] = {}
-    on_round_end = experiment.on_round_end
-
-    def checked(server_round, arrays):
-        out = on_round_end(server_round, arrays)
-        model = {k: a.numpy().astype(np.float64) for k, a in arrays.items()}
-        if server_round == 0:
-            x0.update(model)
-            return out
-        states = logical_states(grid, experiment.strategy, cfg, STATE_NAME[algo], num_clients)
-        invariant_error(algo, experiment.strategy, states, model, x0)
-        return out
-
-    experiment.on_round_end = checked
     caplog.set_level(logging.WARNING, logger="flwr")
-    experiment.run(view)
+    experiment, checked_rounds = run_checked(grid, run_config, algo, num_clients,
+                                             give_up_after=GIVE_UP_ROUNDS * parse_run_config(run_config).round_timeout)
+    assert checked_rounds == list(range(1, rounds + 1))
     assert grid.applied == [(lost_round, 0, "lost")]
     assert any("given up on, it takes messages again" in r.getMessage() for r in caplog.records)
     logs = experiment.strategy.rounds
