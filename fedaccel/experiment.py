@@ -37,10 +37,9 @@ from fedaccel.trackers import open_tracker, require_tracker
 from fedaccel.runtime import build_model_for, data_config_for, load_data, model_name, optimum_of
 from fedaccel.torch_utils import environment, evaluate, select_device, state_to_arrays
 from fedaccel.cohort_nodes import CohortNodes
-from fedaccel.grids import PromptGrid, SerialNodes
+from fedaccel.grids import GIVE_UP_ROUNDS, PromptGrid, SerialNodes
 from fedaccel.membership import TRANSIENT_ATTEMPTS, Federation, TransientAnswer, query_partitions
 
-GIVE_UP_ROUNDS = 3  # a message unanswered this many round-timeouts after it was sent is given up on
 
 
 MISSING_NODES_HINT = (

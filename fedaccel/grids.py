@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from flwr.app import Message
 from flwr.common import log
 from flwr.serverapp import Grid
+
+GIVE_UP_ROUNDS = 3  # a message unanswered this many round-timeouts after it was sent is given up on
 
 
 class GridView(Grid):
@@ -86,8 +89,10 @@ class PromptGrid(GridView):
         self.max_interval = max_interval
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        pending = dict.fromkeys(m for m in self._grid.push_messages(messages) if m)  # ordered
         deadline = None if timeout is None else time.monotonic() + timeout
+        if isinstance(self._grid, SerialNodes):  # a new round: what it pushes later must fit before its deadline
+            self._grid.begin_send(deadline)
+        pending = dict.fromkeys(m for m in self._grid.push_messages(messages) if m)  # ordered
         replies: list[Message] = []
         interval = 0.005
         while True:
@@ -125,13 +130,21 @@ class SerialNodes(GridView):
     pull fetches, with the replies asked for, those of the late messages
     (dropped; the SuperLink's error reply for one, node gone or message
     expired, frees its node too), then pushes each waiting message whose
-    node is free. A message that waited is known to the caller by the id
+    node is free and whose round (the deadline :class:`PromptGrid` passes
+    to :meth:`begin_send`) has at least as long left as the node took to
+    answer any of its last ``RECENT`` messages (the shortest: one slow
+    answer does not keep a node out): a waiting message pushed with less
+    time left would most likely be late too, its work wasted, and its node busy into
+    the next round again (its message waiting in turn, and so on, round
+    after round). A message that waited is known to the caller by the id
     this Grid gave it: its reply says so, and so does the message once its
     reply came. A waiting message the caller no longer asks for is dropped
     unsent: it got no reply, as a late one. A message in flight for
     ``give_up_after`` seconds that the caller no longer waits for is given
     up on, with a warning (a reply lost for good must not keep a node out;
-    should that message still run, the two overlap).
+    should that message still run, the two overlap). Its id is still
+    pulled, so that a reply that does come is collected, and said to have
+    overlapped its node's later message.
 
     Written by hand: Flower's grids send every message at once.
     """
@@ -145,6 +158,18 @@ class SerialNodes(GridView):
         self._waited: dict[str, tuple[str, Message]] = {}  # inner id of a message that waited -> (our id, it)
         self._inner_of: dict[str, str] = {}  # our id -> the inner id, for a message that waited and was pushed
         self._told: set[int] = set()  # nodes whose waiting was logged (once until they take a message)
+        self._took: dict[int, deque[float]] = {}  # node -> seconds it took to answer its last RECENT messages
+        self._given_up: dict[str, int] = {}  # inner id of a message given up on -> its node
+        self.deadline: float | None = None  # when the caller's current send stops waiting (PromptGrid sets it)
+
+    RECENT = 3  # answer times kept per node
+
+    def begin_send(self, deadline: float | None) -> None:
+        """A new send of the caller, which waits until ``deadline`` (None:
+        until every reply came): the messages still waiting from its last
+        send are no longer waited for (dropped unsent)."""
+        self._waiting.clear()
+        self.deadline = deadline
 
     @property
     def busy_nodes(self) -> set[int]:
@@ -177,9 +202,14 @@ class SerialNodes(GridView):
         # in flight, and no longer asked for: late (their replies are dropped)
         late = set(self._node_of).difference(wanted)
         replies = []
-        pulled = self._grid.pull_messages(wanted + list(late)) if wanted or late else []
+        pulled = (self._grid.pull_messages(wanted + list(late) + list(self._given_up))
+                  if wanted or late or self._given_up else [])
         for reply in pulled:
             inner_id = reply.metadata.reply_to_message_id
+            if inner_id in self._given_up:
+                log(INFO, "[fedaccel] node %s answered a message given up on earlier (not used): it ran "
+                    "alongside the node's later message", self._given_up.pop(inner_id))
+                continue
             node = self._node_of.get(inner_id)
             reply = self._answered(reply)
             if inner_id not in late:
@@ -208,20 +238,32 @@ class SerialNodes(GridView):
         for message in messages:
             message_id = message.metadata.message_id
             if message_id in stored:
-                self._in_flight[message.metadata.dst_node_id] = (message_id, now)
-                self._node_of[message_id] = message.metadata.dst_node_id
+                node = message.metadata.dst_node_id
+                self._in_flight[node] = (message_id, now)
+                self._node_of[message_id] = node
+                self._told.discard(node)  # it took a message: a later wait is told again
         return ids
 
     def _push_waiting(self) -> None:
-        """Push each waiting message whose node is free (the first one per node)."""
+        """Push each waiting message whose node is free (the first one per
+        node) and whose round has time left for it (the node's last answer
+        time); one without stays waiting, to be dropped when its round ends."""
         ready: dict[int, str] = {}
         for our_id, message in self._waiting.items():
             node = message.metadata.dst_node_id
             if node not in self._in_flight and node not in ready:
                 ready[node] = our_id
+        left = None if self.deadline is None else self.deadline - time.monotonic()
         for node, our_id in ready.items():
+            took = min(self._took.get(node, (0.0,)))
+            if left is not None and left < took:
+                if not self._waiting[our_id].metadata.__dict__.get("_too_late"):
+                    self._waiting[our_id].metadata.__dict__["_too_late"] = True
+                    log(INFO, "[fedaccel] node %s took %.1f s or more to answer each of its last messages; "
+                        "%.1f s of this round are left: its message of this round is not sent", node, took,
+                        max(left, 0.0))
+                continue
             message = self._waiting.pop(our_id)
-            self._told.discard(node)
             for inner_id in self._push([message]):
                 self._waited[inner_id] = (our_id, message)
                 self._inner_of[our_id] = inner_id
@@ -236,7 +278,9 @@ class SerialNodes(GridView):
         """Message ``inner_id`` is no longer in flight (answered by ``reply``, or given up on)."""
         node = self._node_of.pop(inner_id, None)
         if node is not None and self._in_flight.get(node, ("",))[0] == inner_id:
-            del self._in_flight[node]
+            _, pushed_at = self._in_flight.pop(node)
+            if reply is not None and not reply.has_error():  # the node's own answer, not the SuperLink's
+                self._took.setdefault(node, deque(maxlen=self.RECENT)).append(time.monotonic() - pushed_at)
         waited = self._waited.pop(inner_id, None)
         if waited is not None:
             our_id, message = waited
@@ -251,6 +295,7 @@ class SerialNodes(GridView):
         for node, (message_id, pushed_at) in list(self._in_flight.items()):
             if message_id in late and now - pushed_at >= self.give_up_after:
                 self._forget(message_id)
+                self._given_up[message_id] = node
                 log(WARNING, "[fedaccel] node %s has not answered a message sent %.0f s ago: given up on, it "
                     "takes messages again (should that message still run, the two overwrite each other's "
                     "client state in Flower's simulation: raise round-timeout)", node, now - pushed_at)

@@ -687,7 +687,7 @@ def test_a_node_whose_reply_is_lost_for_good_is_given_up_on_and_trains_again(tmp
     client's state version), no state lost."""
     import logging
 
-    from fedaccel.experiment import GIVE_UP_ROUNDS
+    from fedaccel.grids import GIVE_UP_ROUNDS
 
     algo, num_clients, rounds, lost_round = "scaffold", 9, 9, 2
     run_config = fuse(default_run_config(), {

@@ -155,8 +155,9 @@ def _send(view, nodes, timeout=1.0):
 
 def test_a_nodes_next_message_waits_until_it_answered_the_last(monkeypatch):
     """Node 2 answers after 1.5 s, past the 1 s timeout: the next round's
-    message for it is not pushed at once but when its late reply has come
-    (dropped, not returned), and answered within that round; the other
+    message for it (a round of 2.5 s) is not pushed at once but when its
+    late reply has come (dropped, not returned), with 2 s of that round
+    left, more than the node took, and answered within that round; the other
     nodes go on as usual."""
     clock = _FakeClock()
     monkeypatch.setattr(grids, "time", clock)
@@ -165,10 +166,34 @@ def test_a_nodes_next_message_waits_until_it_answered_the_last(monkeypatch):
     assert _send(view, [1, 2, 3]) == [1, 3]
     assert view._grid.busy_nodes == {2} and grid.pushed == [1, 2, 3]
     grid.delay[2] = 0.2  # for the messages pushed from now on
-    assert _send(view, [1, 2, 3]) == [1, 2, 3]  # its late reply is not among them
+    assert _send(view, [1, 2, 3], timeout=2.5) == [1, 2, 3]  # its late reply is not among them
     assert grid.pushed == [1, 2, 3, 1, 3, 2]  # node 2's message pushed after the others, once it was free
     assert clock.now == pytest.approx(1.7, abs=0.2)  # late reply in at t=1.5, the new one 0.2 s after its push
     assert view._grid.busy_nodes == set()
+
+
+def test_a_waiting_message_with_less_of_its_round_left_than_its_node_took_is_not_sent(monkeypatch, caplog):
+    """Node 2 answers its first message after 1.5 s (timeout 1 s), later
+    ones after 0.9 s. Freed 0.5 s into the next round, which has less left
+    than the 1.5 s it took: that round's message is not sent (pushed, it
+    would be late too and keep the node busy into the round after, and so
+    on); from the round after on, pushed at the round's start, it answers
+    in time. The message of a round whose deadline has passed is never sent."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 1.5})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    got = [_send(view, [1, 2])]
+    grid.delay[2] = 0.9
+    for _ in range(4):
+        clock.now += 0.02  # the server's work between rounds
+        got.append(_send(view, [1, 2]))
+    assert got == [[1], [1], [1, 2], [1, 2], [1, 2]]
+    assert grid.pushed == [1, 2, 1, 1, 2, 1, 2, 1, 2]  # round 1's message for node 2 never went out
+    assert "node 2 took 1.5 s or more to answer each of its last messages; 0.5 s of this round" in caplog.text
 
 
 def test_a_waiting_message_whose_round_ends_is_not_sent(monkeypatch):
@@ -207,9 +232,86 @@ def test_an_error_reply_or_a_reply_lost_for_good_frees_the_node(monkeypatch, cap
     assert _send(view, [1, 2, 3], timeout=0.5) == [1, 3]  # node 3 free again: its new message answered
     assert grid.pushed == [1, 3] and serial.busy_nodes == {2}  # node 2's not sent: 19.5 s < 20 s
     assert "node 3: a message of an earlier round ended with an error (node offline)" in caplog.text
-    clock.now = 20.0  # 20 s after node 2's message was pushed
+    clock.now = 20.0  # 20 s after node 2's message was pushed: given up on at the first pull
+    serial.pull_messages([])
+    assert serial.busy_nodes == set()
     assert _send(view, [1, 2, 3], timeout=1.0) == [1, 2, 3]
     assert serial.busy_nodes == set() and "node 2 has not answered a message sent 20 s ago" in caplog.text
+
+
+def test_one_slow_answer_does_not_keep_a_nodes_waiting_message_out(monkeypatch):
+    """Node 2 answered in 0.3 s twice, then once in 1.5 s (late): freed
+    0.5 s into the next round, its fastest recent answer fits, so that
+    round's message is sent and answered in time."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 0.3})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    assert _send(view, [1, 2]) == [1, 2] and _send(view, [1, 2]) == [1, 2]
+    grid.delay[2] = 1.5
+    assert _send(view, [1, 2]) == [1]
+    grid.delay[2] = 0.3
+    assert _send(view, [1, 2]) == [1, 2]
+
+
+def test_a_message_the_caller_still_waits_for_is_not_given_up_on(monkeypatch):
+    """Give-up is for messages no longer waited for: while a late message
+    (node 3's) is pulled, those the caller still asks for, unanswered for
+    longer than ``give_up_after``, keep their nodes and their replies."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 3.0, 2: 3.0, 3: 100.0})
+    serial = SerialNodes(grid, give_up_after=2.0)
+    messages = _queries(3)
+    waited_for = list(serial.push_messages(messages[:2]))
+    clock.now = 1.5
+    serial.push_messages(messages[2:])  # not asked for below: late
+    clock.now = 2.5  # 1, 2 pushed 2.5 s ago, 3 1 s ago
+    assert list(serial.pull_messages(waited_for)) == [] and serial.busy_nodes == {1, 2, 3}
+    clock.now = 3.0
+    assert sorted(int(r.content["metrics"]["node"]) for r in serial.pull_messages(waited_for)) == [1, 2]
+    assert serial.busy_nodes == {3}
+
+
+def test_a_given_up_message_answered_later_is_collected_and_said_to_have_overlapped(monkeypatch, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 25.0})
+    serial = SerialNodes(grid, give_up_after=20.0)
+    view = PromptGrid(serial)
+    assert _send(view, [1, 2]) == [1]
+    clock.now = 20.0
+    grid.delay[2] = 0.01
+    assert _send(view, [1, 2]) == [1, 2]  # given up on: node 2 takes the new message
+    assert "node 2 answered a message given up on" not in caplog.text
+    clock.now = 25.0  # the first one ends now
+    assert _send(view, [1]) == [1]
+    assert "node 2 answered a message given up on earlier (not used)" in caplog.text
+    assert serial._given_up == {} and grid._held == {}  # pulled, nothing left at the SuperLink
+
+
+def test_a_node_that_took_a_message_is_told_of_its_next_wait_again(monkeypatch, caplog):
+    """The warning that a node's message waits is given once per wait, also
+    when the node's last wait ended with its message dropped unsent and it
+    then took a message pushed at once."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 3.0})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    _send(view, [1, 2]), _send(view, [1, 2])  # node 2's second message waits, dropped unsent
+    clock.now += 2
+    _send(view, [1])  # a round without node 2: its late reply is collected, it is free
+    grid.delay[2] = 0.01
+    assert _send(view, [1, 2]) == [1, 2]  # pushed at once
+    grid.delay[2] = 3.0
+    _send(view, [1, 2]), _send(view, [1, 2])  # late again: its next message waits
+    assert caplog.text.count("node 2 has not answered its last message yet") == 2
 
 
 def test_two_messages_for_one_node_in_one_send_go_one_after_the_other(monkeypatch):

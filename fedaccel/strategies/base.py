@@ -64,7 +64,7 @@ from fedaccel.client_errors import ClientErrorLog
 from fedaccel.config import RunConfig
 from fedaccel.contract import CONFIG_RECORD, MODEL_RECORD, NO_EXTRAS
 from fedaccel.errors import RejectedReplies, RoundFailedError
-from fedaccel.grids import NodeSubset
+from fedaccel.grids import GIVE_UP_ROUNDS, NodeSubset
 from fedaccel.membership import Federation, NodeMembership
 from fedaccel.metrics import RoundLog, mean_client_accuracy
 from fedaccel.samplers import cohort as sample_partitions
@@ -356,8 +356,8 @@ class FedAccelStrategy:
                 log_.state_lost += 1
                 log(WARNING, "round %s: client %s had lost its %s state (a SuperNode restarted "
                     "with client-state='context', or, in Flower's simulation, a message of it "
-                    "that had timed out was still running when this one came, three round-timeouts "
-                    "after it was sent); it restarted "
+                    f"that had timed out was still running when this one came, {GIVE_UP_ROUNDS} "
+                    "round-timeouts after it was sent); it restarted "
                     "from the initial state, so the algorithm's invariants no longer hold "
                     "exactly. Use client-state='disk' for restarts, and a round-timeout longer "
                     "than the slowest client's round.",
