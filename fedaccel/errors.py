@@ -5,7 +5,7 @@ Each kind has one exit code in ``fedaccel-run`` (documented in the README):
 - 2: the command or the run config is wrong (unknown key, invalid value, a
   YAML file that is missing or malformed, a model that does not fit the data);
 - 3: the machine or the data is wrong (missing or corrupt data files, a
-  results folder that cannot be written, too few clients for the run, not
+  results or client-state folder that cannot be written, too few clients for the run, not
   enough memory, a missing or damaged checkpoint);
 - 4: the run started and failed (every client of a round failed).
 
@@ -23,6 +23,10 @@ class FederationError(RuntimeError):
 
 class ResultsDirError(RuntimeError):
     """The results folder cannot be created or written."""
+
+
+class StateDirError(RuntimeError):
+    """A folder of the clients' disk state (``state-dir``) cannot be created."""
 
 
 class ResourceError(RuntimeError):
@@ -53,13 +57,13 @@ class RejectedReplies(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, DataError, ModelError, FederationError, ResultsDirError, ResourceError,
+    ConfigError, DataError, ModelError, FederationError, ResultsDirError, StateDirError, ResourceError,
     CheckpointError, RoundFailedError,
 )
 
 EXIT_CODES: dict[type[BaseException], int] = {
     ConfigError: 2, ModelError: 2,
-    DataError: 3, FederationError: 3, ResultsDirError: 3, ResourceError: 3, CheckpointError: 3,
+    DataError: 3, FederationError: 3, ResultsDirError: 3, StateDirError: 3, ResourceError: 3, CheckpointError: 3,
     RoundFailedError: 4,
 }
 

@@ -155,8 +155,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     from flwr.app import Context, RecordDict
     from flwr.common.logger import FLOWER_LOGGER, update_console_handler
 
-    from fedaccel.apps.client_app import (app as client_app, cohort_fallback, cohort_note, prepare_clients,
-                                          served_contexts, train_cohort)
+    from fedaccel.apps.client_app import (app as client_app, client_runtime, cohort_fallback, cohort_note,
+                                          prepare_clients, served_contexts, train_cohort)
     from fedaccel.clients.state import claim_state_run_dir, remove_orphaned_state_dirs, state_run_dir
     from fedaccel.apps.server_app import QUIET, RESULTS, app as server_app
     from fedaccel.local_grid import LocalGrid
@@ -173,8 +173,9 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
         print(f"[fedaccel] removed {folder}: client state of a run whose process was killed", file=sys.stderr)
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
-        claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
+        if cfg.stateful_clients and client_runtime(served_contexts(next(iter(grid.contexts.values())))[0]).state_mode == "disk":
+            claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))  # its clients' state lives there
         def of_first_client(ask: Callable[[Context], Any]) -> Callable[[Context], Any]:
             # a cohort node's question goes to its first logical client (the node's own
             # context names a partition of a dataset split W ways, which no client trains on);
@@ -280,7 +281,7 @@ EXIT_CODES_HELP = """exit codes:
   2  the command or the run config is wrong (unknown key, invalid value,
      a YAML file that is missing or malformed)
   3  the machine or the data is wrong (missing or corrupt data files,
-     a results folder that cannot be written, too few samples or clients,
+     a results or client-state folder that cannot be written, too few samples or clients,
      not enough memory: estimated before anything is built)
   4  the run started and failed (every client of a round failed)
   130 stopped by Ctrl-C (SIGINT) or the dashboard's stop button

@@ -123,6 +123,28 @@ def test_results_dir_that_is_a_file_is_exit_3(tmp_path, capsys):
     assert blocker.read_text() == "not a folder" and sorted(tmp_path.iterdir()) == [blocker]
 
 
+@pytest.mark.parametrize("where", ["state-dir", "env"])
+def test_a_state_dir_that_cannot_be_made_is_exit_3_in_one_line(tmp_path, capsys, monkeypatch, where):
+    """A client-state folder in the way of a file: one line naming
+    state-dir, exit 3, as for results-dir (not a NotADirectoryError from
+    deep inside); a stateless run, or one whose state lives in the
+    clients' Contexts, does not touch it."""
+    blocker = tmp_path / "state"
+    blocker.write_text("not a folder")
+    state = [f"state-dir='{blocker}'"] if where == "state-dir" else []
+    if where == "env":
+        monkeypatch.setenv("FEDACCEL_STATE_DIR", str(blocker))
+    results = f"results-dir='{tmp_path / 'results'}'"
+    code, _, err = run_cli(capsys, results, "algo='scaffold'", "client-state='disk'", *state, *SMALL)
+    line = one_error_line(err)
+    assert code == 3 and line.startswith("fedaccel-run: error: state-dir: cannot make the client-state folder")
+    assert "(Not a directory); set state-dir (or the FEDACCEL_STATE_DIR environment variable" in line
+    for algo, kept in (("fedavg", "disk"), ("scaffold", "context")):
+        code, _, _ = run_cli(capsys, results, f"algo='{algo}'", f"client-state='{kept}'", *state, *SMALL)
+        assert code == 0
+    assert blocker.read_text() == "not a folder"
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_results_dir_is_exit_3(tmp_path, capsys):  # pragma: no cover - CI runs as root
     locked = tmp_path / "locked"

@@ -44,6 +44,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from fedaccel.arrays import arrays_to_record, config_record, from_tensor, put_record, records_of, to_numpy
 from fedaccel.config import ConfigError
+from fedaccel.errors import StateDirError
 
 CLIENT_STATES = ("auto", "context", "disk")
 AUTO_DISK_BYTES = 2 * 1024**3  # all clients' state beyond 2 GiB goes to disk
@@ -398,7 +399,7 @@ class DiskState(VersionedState):
 
     def _write(self, version: int, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         folder = self.folder / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
+        make_state_folder(folder)
         tmp = folder / f".{name}.tmp.npz"
         np.savez(tmp, **{k: v.detach().cpu().numpy() for k, v in tensors.items()})
         durable_replace(tmp, folder / f"{name}.npz")
@@ -420,7 +421,7 @@ class DiskState(VersionedState):
         return int(tags["committed"]), int(tags["latest"])
 
     def _save_tags(self, committed: int, latest: int) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_state_folder(self.folder)
         tmp = self.folder / ".versions.tmp.json"
         tmp.write_text(json.dumps({"committed": committed, "latest": latest}), encoding="utf-8")
         durable_replace(tmp, self.folder / "versions.json")
@@ -443,6 +444,18 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("FEDACCEL_STATE_DIR", "~/.cache/fedaccel/client-state")).expanduser()
 
 
+def make_state_folder(folder: Path) -> None:
+    """Make ``folder``, one under ``state-dir``, and its parents; one that
+    cannot be made (a file in its way, no permission) is the user's to fix:
+    one line naming ``state-dir``, not a traceback."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StateDirError(f"state-dir: cannot make the client-state folder {folder} ({err.strerror or err}); "
+                            "set state-dir (or the FEDACCEL_STATE_DIR environment variable, its default) to a "
+                            "writable folder") from None
+
+
 def state_run_dir(state_dir: str, run_id: int) -> Path:
     """The folder holding every client's disk state for one run."""
     root = Path(state_dir).expanduser() if state_dir else default_state_dir()
@@ -460,7 +473,7 @@ def claim_state_run_dir(folder: Path) -> None:
     loss nothing does, and disk state can be large."""
     from fedaccel.processes import process_record
 
-    folder.mkdir(parents=True, exist_ok=True)
+    make_state_folder(folder)
     (folder / OWNER_FILE).write_text(json.dumps(process_record()) + "\n", encoding="utf-8")
 
 
