@@ -24,7 +24,10 @@ from fedaccel.arrays import load_into
 from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_state, config_mismatch, find_checkpoint,
                                  read_checkpoint, resolution_changed, restore_carried_state, run_dir_of,
                                  write_checkpoint)
+from fedaccel.clients.cohort import fallback_reason, unbatchable_error
 from fedaccel.clients.state import state_run_dir
+from fedaccel.data.device_file import DATASET_SPECS
+from fedaccel.models import build_model
 from fedaccel.config import RunConfig, config_error
 from fedaccel.errors import USER_ERRORS, CheckpointError, FederationError, ResultsDirError
 from fedaccel.heap import quiet_collector
@@ -303,6 +306,29 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
     return ckpt
 
 
+def refuse_unbatchable(cfg: RunConfig) -> None:
+    """``cohort-batching='on'`` for a run whose clients cannot train as one
+    batched model: refused in one line before any work (the fast runner's
+    ``--check`` too, and the server of a ``flwr run`` before it asks its
+    nodes anything), for the reasons the trainer itself would give
+    (:func:`fedaccel.clients.cohort.fallback_reason`: the algorithm's local
+    solver, data augmentation, a model with buffers or dropout), read from
+    the config and the model it names, built on the CPU without data."""
+    if cfg.cohort_batching != "on":
+        return
+    shape, classes, augment = DATASET_SPECS.get(cfg.dataset, (None, 0, False))
+    model = torch.nn.Module()  # a model this cannot build is refused later, by the run, as before
+    if shape is not None:
+        try:
+            with torch.random.fork_rng(devices=[]):  # the run's seeding is not ours to move
+                model = build_model(model_name(cfg), tuple(shape), classes)
+        except Exception:  # noqa: BLE001 - only what the run itself would refuse
+            pass
+    reason = fallback_reason(get_algorithm(cfg.algo).solver(cfg), cfg, model, augment)
+    if reason:
+        raise unbatchable_error(reason)
+
+
 def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     """Parse config, discover clients, run; returns the run's results folder.
 
@@ -315,6 +341,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) "
                            "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
                            "node train one client at a time: use 'auto' or 'off', or set logical-clients")
+    refuse_unbatchable(cfg)  # before the run folder, the nodes and the data
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     if client_store is None and cfg.needs_optimum:
         raise config_error(*cfg.optimum_setting, "is computed from every client's training data, which only the fast "

@@ -5,6 +5,7 @@ plain line on stderr and the documented exit code (``fedaccel-run --help``):
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,35 @@ def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch, b
     status = json.loads((tmp_path / "f" / "status.json").read_text())
     assert status["state"] == "failed" and "disk on fire" in status["error"]
     assert not (tmp_path / "f" / "summary.json").exists() and not (tmp_path / "f" / "final_model.npz").exists()
+
+
+@pytest.mark.parametrize("args,why", [
+    (["algo='fedpm'", "fedpm.mode='exact'"], "fedpm.mode='exact' takes full-batch Newton steps per client"),
+    (["algo='fedpm'", "fedpm.refresh-every=1"], "fedpm.refresh-every=1 recomputes each client's FOOF matrix"),
+    (["dataset='cifar10'"], "data augmentation draws random crops")])
+def test_check_refuses_cohort_batching_on_for_a_run_that_cannot_be_batched(tmp_path, capsys, args, why):
+    """``--check`` gives the line the run itself would (and the run gives it
+    before any folder or data); the server of a flwr run before it asks
+    any node (run_experiment on a grid that must not be touched)."""
+    from fedaccel.config import ConfigError
+    from fedaccel.experiment import run_experiment
+    from fedaccel.local_run import default_run_config, fuse
+
+    on = ["cohort-batching='on'", "logical-clients=4"]
+    code, _, err = run_cli(capsys, "--check", *on, *args, *SMALL)
+    line = one_error_line(err)
+    assert code == 2 and "cohort-batching='on' but this run cannot be batched: " + why in line
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", *on, *args, *SMALL)
+    assert code == 2 and why in one_error_line(err) and not list(tmp_path.iterdir())
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the grid was asked for {name}")
+
+    overrides = dict(kv.split("=", 1) for kv in on + args)
+    overrides = {k: v.strip("'") if v.startswith("'") else int(v) for k, v in overrides.items()}
+    with pytest.raises(ConfigError, match=re.escape("cannot be batched: " + why)):
+        run_experiment(Untouchable(), fuse(default_run_config(), {**overrides, "results-dir": str(tmp_path)}))
 
 
 def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
