@@ -165,12 +165,11 @@ class RunConfig:
         else:
             size = max(1, int(round(self.clients_per_round * num_clients)))
         if size > num_clients:
-            raise config_error(
-                "clients-per-round", display_value(self.clients_per_round),
-                f"exceeds the {num_clients} clients in the federation; use at most "
-                f"{num_clients}, or more clients (fedaccel-federations size local-simulation N; "
-                f"fast runner: --num-clients N)",
-            )
+            where = (f"exceeds the {num_clients} logical clients the cohort nodes serve; use at most "
+                     f"{num_clients}, or raise logical-clients" if self.logical_clients else
+                     f"exceeds the {num_clients} clients in the federation; use at most {num_clients}, or more "
+                     "clients (fedaccel-federations size local-simulation N; fast runner: --num-clients N)")
+            raise config_error("clients-per-round", display_value(self.clients_per_round), where)
         return size
 
     def lr_at(self, server_round: int) -> float:

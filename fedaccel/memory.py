@@ -93,6 +93,7 @@ def require_memory(cfg: RunConfig, num_clients: int, client_contexts: bool = Tru
     if need > USABLE_FRACTION * available:
         raise ResourceError(
             f"{num_clients:,} clients need about {gib(need)} of memory ({parts}), but this machine "
-            f"has {gib(available)} available: use fewer clients (fedaccel-run --num-clients, "
-            f"fedaccel-federations size local-simulation N)"
+            f"has {gib(available)} available: use fewer clients ("
+            + ("lower logical-clients" if cfg.logical_clients else
+               "fedaccel-run --num-clients, fedaccel-federations size local-simulation N") + ")"
             + (" or a smaller synthetic.max-samples" if cfg.dataset == "synthetic" else ""))

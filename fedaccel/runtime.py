@@ -38,6 +38,7 @@ def data_config_for(cfg: RunConfig, num_clients: int) -> DataConfig:
         synthetic_size_mu=cfg.synthetic.size_mu,
         synthetic_min_samples=cfg.synthetic.min_samples,
         synthetic_shared_model=cfg.synthetic.shared_model,
+        clients_key="logical-clients" if cfg.logical_clients else "num-clients",
     )
 
 

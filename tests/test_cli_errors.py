@@ -48,6 +48,9 @@ def one_error_line(err: str) -> str:
     (["cohort-batching='sometimes'"], 2, "cohort-batching='sometimes': allowed: auto, on, off"),
     (["cohort-chunk=-1"], 2, "cohort-chunk=-1: must be an integer >= 0"),
     (["logical-clients=-4"], 2, "logical-clients=-4: must be an integer >= 0"),
+    (["--num-clients", "20", "logical-clients=8", "clients-per-round=10"], 2,
+     "clients-per-round=10: exceeds the 8 logical clients the cohort nodes serve; use at most 8, or raise "
+     "logical-clients"),
     (["logical-clients=1.5"], 2, "logical-clients=1.5: must be an integer >= 0"),
     (["precision='float16'"], 2, "precision='float16': allowed: float32, float64"),
     (["tf32='yes'"], 2, "tf32='yes': must be true or false"),
@@ -91,6 +94,8 @@ def test_malformed_yaml_files(tmp_path, capsys, text, wanted):
 @pytest.mark.parametrize("args,wanted", [
     (["dataset='digits'", "--num-clients", "5000"],
      "num-clients=5000 exceeds the 1437 training samples of 'digits'; use at most 1437 clients"),
+    (["dataset='digits'", "--num-clients", "2", "logical-clients=2000"],
+     "logical-clients=2000 exceeds the 1437 training samples of 'digits'; use at most 1437 clients"),
     (["dataset='breast-cancer'", "partition='label-sorted'", "--num-clients", "400"],
      "partition='label-sorted' leaves 371 of the 400 clients of 'breast-cancer' without samples"),
 ])

@@ -55,7 +55,12 @@ def test_ten_million_clients_is_one_line_and_exit_3_at_once(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and len(err) == 1
     assert "10,000,000 clients need about" in err[0] and "24.0 GiB available" in err[0]
+    assert "use fewer clients (fedaccel-run --num-clients" in err[0]
     assert not any(tmp_path.iterdir())
+    # on cohort nodes the clients are logical-clients: the line names that key
+    code = main([f"results-dir='{tmp_path}'", "--num-clients", "2", "logical-clients=10000000", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and len(err) == 1 and "use fewer clients (lower logical-clients)" in err[0]
 
 
 def test_free_memory_is_read_where_the_tensors_live(monkeypatch):

@@ -78,6 +78,9 @@ class DataConfig:
     synthetic_shared_model: bool = False
     # the dtype of every client's and the test set's inputs
     precision: str = "float32"
+    # the run-config key that set num_clients (logical-clients on cohort
+    # nodes), named by the errors about it
+    clients_key: str = "num-clients"
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -94,7 +97,7 @@ class DataConfig:
             )
         if not _is_int(self.num_clients) or self.num_clients < 1:
             raise DataError(
-                f"num-clients={self.num_clients!r} is invalid; it must be an integer >= 1"
+                f"{self.clients_key}={self.num_clients!r} is invalid; it must be an integer >= 1"
             )
         if not _is_number(self.dirichlet_alpha) or not math.isfinite(self.dirichlet_alpha) \
                 or self.dirichlet_alpha <= 0:

@@ -68,7 +68,7 @@ def partition_pool(labels: np.ndarray, cfg: DataConfig, dataset_name: str,
     scheme = cfg.resolved_partition
     if k > n:
         raise DataError(
-            f"num-clients={k} exceeds the {n} training samples of {dataset_name!r}; "
+            f"{cfg.clients_key}={k} exceeds the {n} training samples of {dataset_name!r}; "
             f"use at most {n} clients (fewer for non-IID partitions)"
         )
     # Dense label codes 0..C-1: InnerDirichletPartitioner assumes them.
