@@ -94,11 +94,25 @@ def parse_run_config_string(text: str) -> dict[str, Any]:
     return out
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false
+    (any case). YAML 1.1, PyYAML's default, also reads on, off, yes, no, y
+    and n as booleans, so ``cohort-batching: on`` came in as true and was
+    refused as "must be a string"; here it is the string 'on'."""
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                      list("tTfF"))
+
+
 def load_yaml_config(yaml_file: str) -> dict[str, Any]:
     """The run-config keys of a YAML file (nested mappings become dotted keys)."""
     try:
         with open(yaml_file, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f)
+            loaded = yaml.load(f, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"--config {yaml_file}: no such file") from None
     except OSError as err:

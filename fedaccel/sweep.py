@@ -80,7 +80,7 @@ from fedaccel.processes import process_record, record_alive, stop_on_sigint
 from fedaccel.results import STATUS_FILE, SUMMARY_FILE, run_finished
 from flwr.common.config import flatten_dict
 
-from fedaccel.local_run import DEFAULT_NUM_CLIENTS, default_run_config, fuse, load_yaml_config
+from fedaccel.local_run import DEFAULT_NUM_CLIENTS, Yaml12Loader, default_run_config, fuse, load_yaml_config
 
 PROG = "fedaccel-sweep"
 STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "random", "seeds")
@@ -324,7 +324,7 @@ def load_study(path: str | Path, results_dir: str | None = None) -> tuple[Study,
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such study file") from None
     except (OSError, UnicodeDecodeError) as err:

@@ -78,6 +78,19 @@ def test_config_mistakes_get_one_line_and_exit_2(tmp_path, capsys, args, code, w
     assert not any(tmp_path.iterdir())  # refused before any work
 
 
+def test_yaml_on_and_off_are_strings_as_in_yaml_1_2(tmp_path, capsys):
+    """YAML 1.1 (PyYAML's default) reads on/off/yes/no as booleans, which
+    made ``cohort-batching: on`` a refused true; a config file reads them
+    as the strings they are in YAML 1.2, true/false stay booleans."""
+    study = tmp_path / "on.yaml"
+    study.write_text("cohort-batching: on\nlogical-clients: 4\ntf32: false\n")
+    code, out, _ = run_cli(capsys, "--config", str(study), "--check", *SMALL)
+    assert code == 0 and "cohort-batching='on'" in out
+    study.write_text("tf32: yes\n")
+    code, _, err = run_cli(capsys, "--config", str(study), "--check", *SMALL)
+    assert code == 2 and "tf32='yes': must be true or false" in one_error_line(err)
+
+
 @pytest.mark.parametrize("text,wanted", [
     ("algo: [fedavg\n", "not valid YAML at line 2, column 1"),
     ("- algo\n- lr\n", "must hold a mapping of run-config keys (key: value lines), not a list"),
