@@ -218,8 +218,20 @@ def test_synthetic_rejects_pooled_partitions():
 
 
 def test_synthetic_needs_test_fraction():
-    with pytest.raises(DataError, match="local-test-fraction"):
+    with pytest.raises(DataError, match=r"local-test-fraction.*; use a local-test-fraction in \(0, 1\)"):
         load_federated(DataConfig(num_clients=3, local_test_fraction=0.0))
+
+
+def test_synthetic_clients_too_small_for_a_test_sample_are_told_the_size_that_gives_one():
+    """With 0.2, a client's split is round(0.2 n): 2 samples give none, 3 give one."""
+    small = dict(num_clients=4, synthetic_max_samples=2, synthetic_min_samples=1)
+    with pytest.raises(DataError, match=r"none of the 4 clients \(the largest has 2 samples\) gets a test "
+                                        r"sample; give the clients at least 3 samples"):
+        load_federated(DataConfig(**small))
+    with pytest.raises(DataError, match="give the clients at least 2 samples"):
+        load_federated(DataConfig(**{**small, "synthetic_max_samples": 1}, local_test_fraction=0.5))
+    fd = load_federated(DataConfig(**{**small, "synthetic_max_samples": 3, "synthetic_min_samples": 3}))
+    assert fd.train_sizes() == [2, 2, 2, 2] and fd.partition_sizes() == [3, 3, 3, 3]  # one test sample each
 
 
 def test_digits_shapes_and_fixed_test_set():

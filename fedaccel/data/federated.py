@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -143,10 +144,16 @@ def _synthetic(cfg: DataConfig) -> FederatedDataset:
     # their union, so it is fixed for a seed.
     all_test = np.concatenate(test_idx)
     if len(all_test) == 0:
+        fraction = cfg.local_test_fraction
+        # a client's local test split is round(n * fraction) of its n samples, at most n - 1
+        fix = ("use a local-test-fraction in (0, 1)" if not 0 < fraction < 1 else
+               f"give the clients at least {max(2, math.ceil(0.5 / fraction - 1e-9))} samples "
+               "(synthetic.min-samples, synthetic.max-samples) or raise local-test-fraction")
         raise DataError(
-            f"local-test-fraction={cfg.local_test_fraction} leaves dataset 'synthetic' "
-            "without a test set (its global test set is the union of the clients' local "
-            "test splits); use a local-test-fraction in (0, 1) and synthetic.max-samples >= 2"
+            f"local-test-fraction={fraction} leaves dataset 'synthetic' without a test set: its "
+            "global test set is the union of the clients' local test splits, and none of the "
+            f"{cfg.num_clients} clients (the largest has {max(len(y) for y in ys)} samples) gets a "
+            f"test sample; {fix}"
         )
     source = Source(
         "synthetic", SYNTHETIC_CLASSES, (SYNTHETIC_DIM,), False,
