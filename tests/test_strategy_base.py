@@ -224,6 +224,24 @@ def test_aggregate_evaluate_records_accl():
     assert strategy.rounds[5].accl == pytest.approx(0.3)
 
 
+def test_no_client_with_a_local_test_sample_is_said_once_not_left_silent(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="flwr")
+    strategy = build("fedavg", **{"num-server-rounds": 10, "accl-every": 5})
+    for server_round in (5, 10):
+        msgs = list(strategy.configure_evaluate(server_round, arrays(w=[0.0]), ConfigRecord(),
+                                                StubGrid(NODES.values())))
+        for i, m in enumerate(msgs):
+            m.metadata.__dict__["_message_id"] = f"e{server_round}-{i}"
+        replies = [Message(eval_record(0, float("nan"), float("nan")), reply_to=m) for m in msgs]
+        assert "accl" not in strategy.aggregate_evaluate(server_round, replies)
+    told = [r.getMessage() for r in caplog.records if "no ACCL" in r.getMessage()]
+    assert told == ["round 5: no ACCL (accl stays empty): none of the 3 clients that answered has a local test "
+                    "sample (a client's local test split is round(samples x local-test-fraction=0.2)); raise "
+                    "local-test-fraction or give the clients more samples"]
+
+
 # --------------------------------------------------------------------------- #
 # malformed replies are rejected with a reason, never aggregated
 

@@ -123,6 +123,7 @@ class FedAccelStrategy:
         self.membership = NodeMembership(federation, query_timeout=min(run_cfg.round_timeout, 120.0))
         # error replies: logged once each, repeats counted at the end of the run
         self.client_errors = ClientErrorLog(lambda: federation.partition_of_node, run_cfg.num_server_rounds)
+        self._told_no_accl = False  # the warning that no client has a local test sample: once a run
 
     @property
     def client_error_rounds(self) -> dict[str, list[int]]:
@@ -442,6 +443,12 @@ class FedAccelStrategy:
         metrics = super().aggregate_evaluate(server_round, ok)  # type: ignore[misc]
         if metrics is not None and "accl" in metrics:
             self.rounds.setdefault(server_round, RoundLog()).accl = float(metrics["accl"])
+        elif ok and not self._told_no_accl:
+            self._told_no_accl = True  # the clients' splits do not change
+            log(WARNING, "round %s: no ACCL (accl stays empty): none of the %s clients that answered has a "
+                "local test sample (a client's local test split is round(samples x local-test-fraction=%s)); "
+                "raise local-test-fraction or give the clients more samples",
+                server_round, len(ok), self.run_cfg.local_test_fraction)
         return metrics
 
     def reply_problem(self, reply: Message) -> str | None:
