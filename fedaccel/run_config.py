@@ -233,6 +233,11 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
 
     sampler = _string(cfg, "sampler", CHOICES["sampler"])
     straggler_policy = _string(cfg, "straggler-policy", CHOICES["straggler-policy"])
+    cohort_batching = _string(cfg, "cohort-batching", CHOICES["cohort-batching"])
+    cohort_chunk = _integer(cfg, "cohort-chunk", 0)
+    require(not (cohort_chunk and cohort_batching == "off"), "cohort-chunk", cohort_chunk,
+            "sizes the chunks of a batched cohort, which this run does not train (cohort-batching='off'): "
+            "remove it, or set cohort-batching='auto' or 'on'")
     return RunConfig(
         algo=algo,
         dataset=dataset,
@@ -268,8 +273,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         round_timeout=_positive(cfg, "round-timeout"),
         train_samples=train_samples,
         clip_norm=clip_norm,
-        cohort_batching=_string(cfg, "cohort-batching", CHOICES["cohort-batching"]),
-        cohort_chunk=_integer(cfg, "cohort-chunk", 0),
+        cohort_batching=cohort_batching,
+        cohort_chunk=cohort_chunk,
         logical_clients=_integer(cfg, "logical-clients", 0),
         checkpoint_every=_integer(cfg, "checkpoint-every", 0),
         resume=_string(cfg, "resume"),

@@ -47,6 +47,8 @@ def one_error_line(err: str) -> str:
     (["clients-per-round=0"], 2, "an integer is a count of clients and must be >= 1"),
     (["cohort-batching='sometimes'"], 2, "cohort-batching='sometimes': allowed: auto, on, off"),
     (["cohort-chunk=-1"], 2, "cohort-chunk=-1: must be an integer >= 0"),
+    (["cohort-chunk=2", "cohort-batching='off'"], 2,
+     "cohort-chunk=2: sizes the chunks of a batched cohort, which this run does not train (cohort-batching='off')"),
     (["logical-clients=-4"], 2, "logical-clients=-4: must be an integer >= 0"),
     (["--num-clients", "20", "logical-clients=8", "clients-per-round=10"], 2,
      "clients-per-round=10: exceeds the 8 logical clients the cohort nodes serve; use at most 8, or raise "
