@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import Message
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -152,13 +153,15 @@ class SerialNodes(GridView):
     def __init__(self, grid: Grid, give_up_after: float) -> None:
         super().__init__(grid)
         self.give_up_after = give_up_after
-        self._in_flight: dict[int, tuple[str, float]] = {}  # node -> (the inner grid's message id, pushed at)
+        # node -> (the inner grid's message id, pushed at, its message type)
+        self._in_flight: dict[int, tuple[str, float, str]] = {}
         self._node_of: dict[str, int] = {}  # inner id of a message in flight -> its node
         self._waiting: dict[str, Message] = {}  # our id -> message, in the order they came
         self._waited: dict[str, tuple[str, Message]] = {}  # inner id of a message that waited -> (our id, it)
         self._inner_of: dict[str, str] = {}  # our id -> the inner id, for a message that waited and was pushed
         self._told: set[int] = set()  # nodes whose waiting was logged (once until they take a message)
-        self._took: dict[int, deque[float]] = {}  # node -> seconds it took to answer its last RECENT messages
+        # (node, message type) -> seconds it took to answer its last RECENT messages of that type
+        self._took: dict[tuple[int, str], deque[float]] = {}
         self._given_up: dict[str, int] = {}  # inner id of a message given up on -> its node
         self.deadline: float | None = None  # when the caller's current send stops waiting (PromptGrid sets it)
 
@@ -207,8 +210,13 @@ class SerialNodes(GridView):
         for reply in pulled:
             inner_id = reply.metadata.reply_to_message_id
             if inner_id in self._given_up:
-                log(INFO, "[fedaccel] node %s answered a message given up on earlier (not used): it ran "
-                    "alongside the node's later message", self._given_up.pop(inner_id))
+                node = self._given_up.pop(inner_id)
+                if reply.has_error():  # the SuperLink's: node gone, message expired or deleted
+                    log(INFO, "[fedaccel] node %s: a message given up on earlier ended with an error (%s)", node,
+                        reply.error.reason)
+                else:
+                    log(INFO, "[fedaccel] node %s answered a message given up on earlier (not used): it ran "
+                        "alongside the node's later message", node)
                 continue
             node = self._node_of.get(inner_id)
             reply = self._answered(reply)
@@ -223,7 +231,7 @@ class SerialNodes(GridView):
         if late:
             self._give_up(late)
         if self._waiting:
-            self._push_waiting()
+            replies.extend(self._push_waiting())
         return replies
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
@@ -239,34 +247,40 @@ class SerialNodes(GridView):
             message_id = message.metadata.message_id
             if message_id in stored:
                 node = message.metadata.dst_node_id
-                self._in_flight[node] = (message_id, now)
+                self._in_flight[node] = (message_id, now, message.metadata.message_type)
                 self._node_of[message_id] = node
                 self._told.discard(node)  # it took a message: a later wait is told again
         return ids
 
-    def _push_waiting(self) -> None:
+    def _push_waiting(self) -> list[Message]:
         """Push each waiting message whose node is free (the first one per
-        node) and whose round has time left for it (the node's last answer
-        time); one without stays waiting, to be dropped when its round ends."""
+        node) and whose round has time left for it: at least the fastest of
+        the node's last answers to messages of its type (a training
+        message is not judged by evaluations, nor the other way round).
+        One without is not sent: its reply, returned, is an error saying
+        so, and the caller's round need not wait for it."""
         ready: dict[int, str] = {}
         for our_id, message in self._waiting.items():
             node = message.metadata.dst_node_id
             if node not in self._in_flight and node not in ready:
                 ready[node] = our_id
         left = None if self.deadline is None else self.deadline - time.monotonic()
+        not_sent = []
         for node, our_id in ready.items():
-            took = min(self._took.get(node, (0.0,)))
-            if left is not None and left < took:
-                if not self._waiting[our_id].metadata.__dict__.get("_too_late"):
-                    self._waiting[our_id].metadata.__dict__["_too_late"] = True
-                    log(INFO, "[fedaccel] node %s took %.1f s or more to answer each of its last messages; "
-                        "%.1f s of this round are left: its message of this round is not sent", node, took,
-                        max(left, 0.0))
-                continue
             message = self._waiting.pop(our_id)
+            took = min(self._took.get((node, message.metadata.message_type), (0.0,)))
+            if left is not None and left < took:
+                reason = (f"not sent: node {node} answered its last message only now and took {took:.1f} s or more "
+                          f"for each of its last ones; {max(left, 0.0):.1f} s of this round were left (raise "
+                          "round-timeout if its work takes longer)")
+                log(INFO, "[fedaccel] %s", reason)
+                message.metadata.__dict__["_message_id"] = our_id
+                not_sent.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, reason), reply_to=message))
+                continue
             for inner_id in self._push([message]):
                 self._waited[inner_id] = (our_id, message)
                 self._inner_of[our_id] = inner_id
+        return not_sent
 
     def _answered(self, reply: Message) -> Message:
         """A reply pulled: its node is free again; a message that waited gets
@@ -278,9 +292,9 @@ class SerialNodes(GridView):
         """Message ``inner_id`` is no longer in flight (answered by ``reply``, or given up on)."""
         node = self._node_of.pop(inner_id, None)
         if node is not None and self._in_flight.get(node, ("",))[0] == inner_id:
-            _, pushed_at = self._in_flight.pop(node)
+            _, pushed_at, kind = self._in_flight.pop(node)
             if reply is not None and not reply.has_error():  # the node's own answer, not the SuperLink's
-                self._took.setdefault(node, deque(maxlen=self.RECENT)).append(time.monotonic() - pushed_at)
+                self._took.setdefault((node, kind), deque(maxlen=self.RECENT)).append(time.monotonic() - pushed_at)
         waited = self._waited.pop(inner_id, None)
         if waited is not None:
             our_id, message = waited
@@ -292,7 +306,7 @@ class SerialNodes(GridView):
     def _give_up(self, late: set[str]) -> None:
         """Give up on the late messages in flight for ``give_up_after`` seconds or more."""
         now = time.monotonic()
-        for node, (message_id, pushed_at) in list(self._in_flight.items()):
+        for node, (message_id, pushed_at, _) in list(self._in_flight.items()):
             if message_id in late and now - pushed_at >= self.give_up_after:
                 self._forget(message_id)
                 self._given_up[message_id] = node

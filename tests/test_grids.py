@@ -56,8 +56,8 @@ class _DelayedGrid(StubGrid):
         raise AssertionError("PromptGrid must not call the wrapped send_and_receive")
 
 
-def _queries(n):
-    return [Message(RecordDict({"config": ConfigRecord()}), node, "query") for node in range(1, n + 1)]
+def _queries(n, kind="query"):
+    return [Message(RecordDict({"config": ConfigRecord()}), node, kind) for node in range(1, n + 1)]
 
 
 def test_prompt_grid_returns_every_reply_soon_after_it_arrives(monkeypatch):
@@ -141,16 +141,20 @@ class _TimedGrid(StubGrid):
         self.errors.update(mid for mid, (m, _, _) in self._held.items() if m.metadata.dst_node_id == node)
 
 
-def _send(view, nodes, timeout=1.0):
-    """One send_and_receive of a message to each of ``nodes``; the nodes that
-    replied, and each reply's message checked to be the one it answers."""
-    messages = _queries(max(nodes))
+def _send(view, nodes, timeout=1.0, kind="query"):
+    """One send_and_receive of a message (of type ``kind``) to each of
+    ``nodes``; the nodes that replied, and each reply's message checked to
+    be the one it answers (error replies: ``view.last_errors``)."""
+    messages = _queries(max(nodes), kind)
     messages = [messages[n - 1] for n in nodes]
     replies = list(view.send_and_receive(messages, timeout=timeout))
     by_id = {m.metadata.message_id: m for m in messages}
     for r in replies:  # a reply answers one of this call's messages, by the id the caller knows
-        assert by_id[r.metadata.reply_to_message_id].metadata.dst_node_id == int(r.content["metrics"]["node"])
-    return sorted(int(r.content["metrics"]["node"]) for r in replies)
+        asked = by_id[r.metadata.reply_to_message_id]
+        assert r.has_error() or asked.metadata.dst_node_id == int(r.content["metrics"]["node"])
+    view.last_errors = {by_id[r.metadata.reply_to_message_id].metadata.dst_node_id: r.error.reason
+                        for r in replies if r.has_error()}
+    return sorted(int(r.content["metrics"]["node"]) for r in replies if not r.has_error())
 
 
 def test_a_nodes_next_message_waits_until_it_answered_the_last(monkeypatch):
@@ -186,14 +190,22 @@ def test_a_waiting_message_with_less_of_its_round_left_than_its_node_took_is_not
     monkeypatch.setattr(grids, "time", clock)
     grid = _TimedGrid(clock, {1: 0.01, 2: 1.5})
     view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
-    got = [_send(view, [1, 2])]
-    grid.delay[2] = 0.9
-    for _ in range(4):
+    got, lasted, errors = [], [], []
+    for r in range(5):
+        if r == 1:
+            grid.delay[2] = 0.9
         clock.now += 0.02  # the server's work between rounds
+        start = clock.now
         got.append(_send(view, [1, 2]))
+        lasted.append(clock.now - start)
+        errors.append(view.last_errors)
     assert got == [[1], [1], [1, 2], [1, 2], [1, 2]]
     assert grid.pushed == [1, 2, 1, 1, 2, 1, 2, 1, 2]  # round 1's message for node 2 never went out
-    assert "node 2 took 1.5 s or more to answer each of its last messages; 0.5 s of this round" in caplog.text
+    # it is answered at once with an error saying why, so that round ends when node 2 is free (1.5 s)
+    assert errors[1] == {2: "not sent: node 2 answered its last message only now and took 1.5 s or more for "
+                            "each of its last ones; 0.5 s of this round were left (raise round-timeout if its "
+                            "work takes longer)"}
+    assert lasted[1] == pytest.approx(0.48, abs=0.05)
 
 
 def test_a_waiting_message_whose_round_ends_is_not_sent(monkeypatch):
@@ -254,6 +266,25 @@ def test_one_slow_answer_does_not_keep_a_nodes_waiting_message_out(monkeypatch):
     assert _send(view, [1, 2]) == [1, 2]
 
 
+def test_a_waiting_message_is_judged_by_its_nodes_answers_to_messages_of_its_type(monkeypatch):
+    """Node 2 trains in 0.8 s, then once in 1.2 s (late, timeout 1 s); the
+    evaluation that waits for it takes 0.02 s: sent with 0.8 s left, though
+    shorter than any of its training times, and answered."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 0.8})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    for _ in range(3):
+        assert _send(view, [1, 2], kind="train") == [1, 2]
+    grid.delay[2] = 1.2
+    assert _send(view, [1, 2], kind="train") == [1]
+    grid.delay[2] = 0.02
+    assert _send(view, [1, 2], kind="evaluate") == [1, 2]
+    grid.delay[2] = 1.5  # late again: the next training message is judged by its training times (0.8 s or more)
+    assert _send(view, [1, 2], kind="train") == [1]
+    assert _send(view, [1, 2], kind="train") == [1] and 2 in view.last_errors
+
+
 def test_a_message_the_caller_still_waits_for_is_not_given_up_on(monkeypatch):
     """Give-up is for messages no longer waited for: while a late message
     (node 3's) is pulled, those the caller still asks for, unanswered for
@@ -291,6 +322,14 @@ def test_a_given_up_message_answered_later_is_collected_and_said_to_have_overlap
     assert _send(view, [1]) == [1]
     assert "node 2 answered a message given up on earlier (not used)" in caplog.text
     assert serial._given_up == {} and grid._held == {}  # pulled, nothing left at the SuperLink
+    # one the SuperLink answers (node gone) is said to have ended with that error
+    grid.delay[2] = None
+    assert _send(view, [1, 2]) == [1]
+    clock.now = 50.0
+    assert _send(view, [1]) == [1] and serial._given_up  # given up on
+    grid.fail_in_flight(2)
+    assert _send(view, [1]) == [1] and not serial._given_up
+    assert "node 2: a message given up on earlier ended with an error (node offline)" in caplog.text
 
 
 def test_a_node_that_took_a_message_is_told_of_its_next_wait_again(monkeypatch, caplog):
