@@ -383,13 +383,14 @@ def cell_run_config(study: Study, shared: dict[str, Any], cell: Cell) -> dict[st
 def check_cells(study: Study, shared: dict[str, Any]) -> list[dict[str, Any]]:
     """Every cell's run config, validated; all invalid cells in one error."""
     from fedaccel.errors import USER_ERRORS
+    from fedaccel.experiment import refuse_unbatchable
     from fedaccel.run_config import parse_run_config
 
     configs, problems = [], []
     for cell in study.cells:
         try:
             config = cell_run_config(study, shared, cell)
-            parse_run_config(config)
+            refuse_unbatchable(parse_run_config(config))
             configs.append(config)
         except USER_ERRORS as err:
             problems.append(f"  {cell.name}: {err}")

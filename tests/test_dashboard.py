@@ -161,6 +161,10 @@ def cli_error(capsys, *tokens: str) -> str:
     ({"lrr": "0.1"}, "lrr", ["lrr=0.1"]),
     ({"clients-per-round": "50"}, "clients-per-round", ["clients-per-round=50"]),
     ({"num-server-rounds": "ten"}, "num-server-rounds", ["num-server-rounds=ten"]),
+    ({"logical-clients": "8", "clients-per-round": "30"}, "clients-per-round",
+     ["logical-clients=8", "clients-per-round=30"]),
+    ({"cohort-batching": "on", "dataset": "cifar10"}, "cohort-batching",
+     ["cohort-batching='on'", "dataset='cifar10'", "--check"]),
 ])
 def test_invalid_values_get_fedaccel_runs_message(client, capsys, values, key, cli):
     response = client.post("/api/validate", json={"values": values}, headers=POST)

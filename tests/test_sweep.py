@@ -69,6 +69,18 @@ def test_every_invalid_cell_is_reported_at_once_and_nothing_runs(tmp_path) -> No
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cell_that_cannot_be_batched_with_cohort_batching_on_is_refused_before_any_run(tmp_path) -> None:
+    path = write_study(tmp_path, variants=[{"algo": "fedpm"}, {"algo": "fedpm", "fedpm.mode": "exact"}],
+                       grid={"cohort-batching": ["on"]}, seeds=[0])
+    study, shared = load_study(path)
+    with pytest.raises(ConfigError) as err:
+        run_study(study, shared, workers=1)
+    text = str(err.value)
+    assert text.startswith("1 of 2 cells are invalid, nothing was run:")
+    assert "fedpm.mode='exact' takes full-batch Newton steps per client" in text
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # five runs and three reports: 15-30 s
 def test_a_study_runs_resumes_and_reports(tmp_path) -> None:
     path = write_study(tmp_path, variants=[{"algo": "fedavg"}, {"algo": "fedprox", "fedprox.mu": 0.1}],

@@ -18,9 +18,9 @@ from functools import cache
 from typing import Any
 
 from fedaccel.errors import USER_ERRORS
-from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, project_dir,
+from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, preflight, project_dir,
                                 run_config_tokens)
-from fedaccel.memory import require_memory
+from fedaccel.experiment import refuse_unbatchable
 from fedaccel.registry import all_algorithms, describe
 from fedaccel.run_config import CHOICES, parse_run_config
 from fedaccel.trackers import require_tracker
@@ -109,7 +109,8 @@ class FormError(ValueError):
 
 
 def _key_of(message: str) -> str | None:
-    match = re.search(r"invalid run config: ([\w.-]+)=", message) or re.search(r"key\(s\) ([\w.-]+)", message)
+    match = (re.search(r"invalid run config: ([\w.-]+)=", message) or re.search(r"key\(s\) ([\w.-]+)", message)
+             or re.match(r"(cohort-batching)='on' but", message))
     return match.group(1) if match else None
 
 
@@ -138,11 +139,14 @@ def validate(values: dict[str, Any], num_clients: int, engine: str = "fast") -> 
     try:
         overrides = overrides_from_form(values)
         run_config = fuse(default_run_config(), overrides)
-        cfg = parse_run_config(run_config)
-        require_tracker(cfg.tracker, cfg.tracker_uri)
-        if engine == "fast":
-            cfg.cohort_size(num_clients)
-            require_memory(cfg, num_clients)
+        if engine == "fast":  # all fedaccel-run refuses before any work
+            preflight(run_config, num_clients)
+        else:  # what flwr run's server refuses before it asks any node
+            cfg = parse_run_config(run_config)
+            require_tracker(cfg.tracker, cfg.tracker_uri)
+            refuse_unbatchable(cfg)
+            if cfg.logical_clients:  # the clients are known without the nodes
+                cfg.cohort_size(cfg.logical_clients)
     except FormError:
         raise
     except USER_ERRORS as err:
