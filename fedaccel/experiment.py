@@ -306,6 +306,25 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
     return ckpt
 
 
+def refuse_on_flower(cfg: RunConfig) -> None:
+    """What the server of a ``flwr run`` refuses from the config alone,
+    before it asks any node (the dashboard checks the same before it
+    launches one): ``cohort-batching='on'`` without cohort nodes, a setting
+    that needs the optimum of all clients' data, and checkpoints of
+    stateful clients whose state the server cannot copy (not on a shared
+    disk)."""
+    if cfg.cohort_batching == "on" and not cfg.logical_clients:
+        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) "
+                           "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
+                           "node train one client at a time: use 'auto' or 'off', or set logical-clients")
+    if cfg.needs_optimum:
+        raise config_error(*cfg.optimum_setting, "is computed from every client's training data, which only the fast "
+                           "runner's server holds for certain (a SuperNode may hold its own data): run it with "
+                           "fedaccel-run or fedaccel-sweep")
+    if cfg.checkpoint_every and cfg.stateful_clients and cfg.client_state != "disk":
+        raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
+
+
 def refuse_unbatchable(cfg: RunConfig) -> None:
     """``cohort-batching='on'`` for a run whose clients cannot train as one
     batched model: refused in one line before any work (the fast runner's
@@ -337,17 +356,11 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     """
     cfg = parse_run_config(run_config)
     require_tracker(cfg.tracker, cfg.tracker_uri)  # a missing package refused before any work
-    if cfg.cohort_batching == "on" and not (cfg.logical_clients or getattr(grid, "trains_cohorts", False)):
-        raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) "
-                           "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
-                           "node train one client at a time: use 'auto' or 'off', or set logical-clients")
-    refuse_unbatchable(cfg)  # before the run folder, the nodes and the data
     client_store: ClientStore | None = getattr(grid, "client_store", None)
-    if client_store is None and cfg.needs_optimum:
-        raise config_error(*cfg.optimum_setting, "is computed from every client's training data, which only the fast "
-                           "runner's server holds for certain (a SuperNode may hold its own data): run it with "
-                           "fedaccel-run or fedaccel-sweep")
     engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
+    if engine == "flower":
+        refuse_on_flower(cfg)
+    refuse_unbatchable(cfg)  # before the run folder, the nodes and the data
     if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
         raise config_error("logical-clients", cfg.logical_clients,
                            "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "
@@ -357,8 +370,6 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
             and (cfg.checkpoint_every or cfg.resume)):
         client_store = shared_disk = SharedDiskClientStore(state_run_dir(cfg.state_dir, grid.run.run_id))
-    if cfg.checkpoint_every and cfg.stateful_clients and client_store is None:
-        raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
     resume = load_resume(cfg, run_config, client_store) if cfg.resume else None
     # a results folder that cannot be written fails now, not at the end; one
     # this run creates is removed again if the run is refused before its first file

@@ -22,6 +22,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 GIVE_UP_ROUNDS = 3  # a message unanswered this many round-timeouts after it was sent is given up on
+#: the reason of the error reply to a waiting message not sent for lack of
+#: time (one line for every such reply, so that the server's log says it once)
+NOT_SENT = ("not sent: its node was still busy with an earlier message, and less of this round was left than "
+            "the node takes (raise round-timeout if its work takes longer)")
 
 
 class GridView(Grid):
@@ -133,11 +137,13 @@ class SerialNodes(GridView):
     expired, frees its node too), then pushes each waiting message whose
     node is free and whose round (the deadline :class:`PromptGrid` passes
     to :meth:`begin_send`) has at least as long left as the node took to
-    answer any of its last ``RECENT`` messages (the shortest: one slow
-    answer does not keep a node out): a waiting message pushed with less
-    time left would most likely be late too, its work wasted, and its node busy into
+    answer any of its last ``RECENT`` messages of the same type (the
+    shortest: one slow answer does not keep a node out; training is not
+    judged by evaluations): a waiting message pushed with less time left
+    would most likely be late too, its work wasted, and its node busy into
     the next round again (its message waiting in turn, and so on, round
-    after round). A message that waited is known to the caller by the id
+    after round), so it is answered at once with an error reply
+    (:data:`NOT_SENT`) and its round need not wait for it. A message that waited is known to the caller by the id
     this Grid gave it: its reply says so, and so does the message once its
     reply came. A waiting message the caller no longer asks for is dropped
     unsent: it got no reply, as a late one. A message in flight for
@@ -145,7 +151,8 @@ class SerialNodes(GridView):
     up on, with a warning (a reply lost for good must not keep a node out;
     should that message still run, the two overlap). Its id is still
     pulled, so that a reply that does come is collected, and said to have
-    overlapped its node's later message.
+    overlapped its node's later message (a SuperLink error reply for it is
+    logged as that error).
 
     Written by hand: Flower's grids send every message at once.
     """
@@ -265,17 +272,17 @@ class SerialNodes(GridView):
             if node not in self._in_flight and node not in ready:
                 ready[node] = our_id
         left = None if self.deadline is None else self.deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return []  # the round is over: they stay, to be dropped unsent
         not_sent = []
         for node, our_id in ready.items():
+            took = min(self._took.get((node, self._waiting[our_id].metadata.message_type), (0.0,)))
             message = self._waiting.pop(our_id)
-            took = min(self._took.get((node, message.metadata.message_type), (0.0,)))
             if left is not None and left < took:
-                reason = (f"not sent: node {node} answered its last message only now and took {took:.1f} s or more "
-                          f"for each of its last ones; {max(left, 0.0):.1f} s of this round were left (raise "
-                          "round-timeout if its work takes longer)")
-                log(INFO, "[fedaccel] %s", reason)
+                log(INFO, "[fedaccel] node %s became free with %.1f s of this round left; it took %.1f s or more "
+                    "to answer each of its last messages of this kind: this round's is not sent", node, left, took)
                 message.metadata.__dict__["_message_id"] = our_id
-                not_sent.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, reason), reply_to=message))
+                not_sent.append(Message(Error(ErrorCode.NODE_UNAVAILABLE, NOT_SENT), reply_to=message))
                 continue
             for inner_id in self._push([message]):
                 self._waited[inner_id] = (our_id, message)

@@ -172,6 +172,22 @@ def test_invalid_values_get_fedaccel_runs_message(client, capsys, values, key, c
     assert response.json() == {"error": cli_error(capsys, *cli), "key": key}
 
 
+@pytest.mark.parametrize("values, key, wanted", [
+    ({"cohort-batching": "on"}, "cohort-batching", "batched cohorts run in the fast runner"),
+    ({"algo": "scaffold", "checkpoint-every": "5"}, "checkpoint-every", "algo='scaffold'"),
+    ({"cohort-batching": "on", "logical-clients": "4", "dataset": "cifar10"}, "cohort-batching",
+     "cannot be batched: data augmentation"),
+    ({"logical-clients": "8", "clients-per-round": "30"}, "clients-per-round", "exceeds the 8 logical clients"),
+])
+def test_a_flwr_run_form_is_refused_as_its_server_would_before_asking_a_node(client, values, key, wanted):
+    """With the Flower engine the form gets the lines a flwr run's server
+    gives from the config alone (refuse_on_flower, refuse_unbatchable)."""
+    response = client.post("/api/validate", json={"values": values, "engine": "flower"}, headers=POST)
+    assert response.status_code == 400
+    got = response.json()
+    assert got["key"] == key and wanted in got["error"]
+
+
 def test_valid_form_gives_the_command_as_an_argument_list(client, results):
     values = {"algo": "fedprox", "fedprox.mu": "0.5", "lr": "0.05", "momentum": "0",
               "run-name": "a b; rm -rf x", "synthetic.iid": False}

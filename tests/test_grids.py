@@ -202,10 +202,9 @@ def test_a_waiting_message_with_less_of_its_round_left_than_its_node_took_is_not
     assert got == [[1], [1], [1, 2], [1, 2], [1, 2]]
     assert grid.pushed == [1, 2, 1, 1, 2, 1, 2, 1, 2]  # round 1's message for node 2 never went out
     # it is answered at once with an error saying why, so that round ends when node 2 is free (1.5 s)
-    assert errors[1] == {2: "not sent: node 2 answered its last message only now and took 1.5 s or more for "
-                            "each of its last ones; 0.5 s of this round were left (raise round-timeout if its "
-                            "work takes longer)"}
+    assert errors[1] == {2: grids.NOT_SENT} and errors[2:] == [{}, {}, {}]
     assert lasted[1] == pytest.approx(0.48, abs=0.05)
+    assert "node 2 became free with 0.5 s of this round left; it took 1.5 s or more" in caplog.text
 
 
 def test_a_waiting_message_whose_round_ends_is_not_sent(monkeypatch):
@@ -249,6 +248,21 @@ def test_an_error_reply_or_a_reply_lost_for_good_frees_the_node(monkeypatch, cap
     assert serial.busy_nodes == set()
     assert _send(view, [1, 2, 3], timeout=1.0) == [1, 2, 3]
     assert serial.busy_nodes == set() and "node 2 has not answered a message sent 20 s ago" in caplog.text
+
+
+def test_a_node_freed_as_its_waiting_messages_round_ends_gets_neither_it_nor_an_error(monkeypatch):
+    """Node 2's late reply comes in the pull at the round's deadline: its
+    waiting message is not pushed (no time left) and gets no error reply
+    either: dropped unsent when the round ends, as any waiting message
+    whose node stays busy."""
+    clock = _FakeClock()
+    monkeypatch.setattr(grids, "time", clock)
+    grid = _TimedGrid(clock, {1: 0.01, 2: 2.0})
+    view = PromptGrid(SerialNodes(grid, give_up_after=30.0))
+    assert _send(view, [1, 2]) == [1]  # t = 0 to 1
+    assert _send(view, [1, 2]) == [1] and view.last_errors == {}  # t = 1 to 2: node 2 free at 2.0
+    assert grid.pushed == [1, 2, 1] and clock.now == pytest.approx(2.0)
+    assert view._grid.busy_nodes == set()
 
 
 def test_one_slow_answer_does_not_keep_a_nodes_waiting_message_out(monkeypatch):
