@@ -357,10 +357,11 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     cfg = parse_run_config(run_config)
     require_tracker(cfg.tracker, cfg.tracker_uri)  # a missing package refused before any work
     client_store: ClientStore | None = getattr(grid, "client_store", None)
-    engine, run_id = ("fast" if client_store is not None else "flower"), grid.run.run_id
+    engine = "fast" if client_store is not None else "flower"
     if engine == "flower":
         refuse_on_flower(cfg)
     refuse_unbatchable(cfg)  # before the run folder, the nodes and the data
+    run_id = grid.run.run_id
     if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
         raise config_error("logical-clients", cfg.logical_clients,
                            "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "

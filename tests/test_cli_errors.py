@@ -287,9 +287,9 @@ def test_check_refuses_cohort_batching_on_for_a_run_that_cannot_be_batched(tmp_p
     code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", *on, *args, *SMALL)
     assert code == 2 and why in one_error_line(err) and not list(tmp_path.iterdir())
 
-    class Untouchable:
+    class Untouchable:  # a Flower grid whose every use fails (an AttributeError, not the ConfigError)
         def __getattr__(self, name):
-            raise AssertionError(f"the grid was asked for {name}")
+            raise AttributeError(f"the grid was asked for {name}")
 
     overrides = dict(kv.split("=", 1) for kv in on + args)
     overrides = {k: v.strip("'") if v.startswith("'") else int(v) for k, v in overrides.items()}
