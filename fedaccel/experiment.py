@@ -309,10 +309,12 @@ def load_resume(cfg: RunConfig, run_config: dict, client_store: ClientStore | No
 def refuse_on_flower(cfg: RunConfig) -> None:
     """What the server of a ``flwr run`` refuses from the config alone,
     before it asks any node (the dashboard checks the same before it
-    launches one): ``cohort-batching='on'`` without cohort nodes, a setting
-    that needs the optimum of all clients' data, and checkpoints of
-    stateful clients whose state the server cannot copy (not on a shared
-    disk)."""
+    launches one): ``cohort-batching='on'`` without cohort nodes or for a
+    run that cannot be batched (:func:`refuse_unbatchable`), a setting that
+    needs the optimum of all clients' data, and checkpoints of stateful
+    clients whose state the server cannot copy (not on a shared disk). The
+    fast runner refuses its own before (``preflight``, then the cohort
+    trainer's own check on the real model)."""
     if cfg.cohort_batching == "on" and not cfg.logical_clients:
         raise config_error("cohort-batching", "on", "batched cohorts run in the fast runner (fedaccel-run) "
                            "or on cohort nodes (logical-clients > 0); Flower's engines with one client per "
@@ -323,6 +325,7 @@ def refuse_on_flower(cfg: RunConfig) -> None:
                            "fedaccel-run or fedaccel-sweep")
     if cfg.checkpoint_every and cfg.stateful_clients and cfg.client_state != "disk":
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
+    refuse_unbatchable(cfg)
 
 
 def refuse_unbatchable(cfg: RunConfig) -> None:
@@ -359,8 +362,7 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     client_store: ClientStore | None = getattr(grid, "client_store", None)
     engine = "fast" if client_store is not None else "flower"
     if engine == "flower":
-        refuse_on_flower(cfg)
-    refuse_unbatchable(cfg)  # before the run folder, the nodes and the data
+        refuse_on_flower(cfg)  # before the run folder, the nodes and the data
     run_id = grid.run.run_id
     if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
         raise config_error("logical-clients", cfg.logical_clients,

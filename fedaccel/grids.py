@@ -143,9 +143,9 @@ class SerialNodes(GridView):
     would most likely be late too, its work wasted, and its node busy into
     the next round again (its message waiting in turn, and so on, round
     after round), so it is answered at once with an error reply
-    (:data:`NOT_SENT`) and its round need not wait for it. A message that waited is known to the caller by the id
-    this Grid gave it: its reply says so, and so does the message once its
-    reply came. A waiting message the caller no longer asks for is dropped
+    (:data:`NOT_SENT`) and its round need not wait for it. A message that
+    waited is known to the caller by the id this Grid gave it: its reply
+    says so, and so does the message once its reply came. A waiting message the caller no longer asks for is dropped
     unsent: it got no reply, as a late one. A message in flight for
     ``give_up_after`` seconds that the caller no longer waits for is given
     up on, with a warning (a reply lost for good must not keep a node out;
@@ -170,7 +170,7 @@ class SerialNodes(GridView):
         # (node, message type) -> seconds it took to answer its last RECENT messages of that type
         self._took: dict[tuple[int, str], deque[float]] = {}
         self._given_up: dict[str, int] = {}  # inner id of a message given up on -> its node
-        self.deadline: float | None = None  # when the caller's current send stops waiting (PromptGrid sets it)
+        self.deadline: float | None = None  # when the caller's current send stops waiting (begin_send)
 
     RECENT = 3  # answer times kept per node
 
@@ -276,8 +276,8 @@ class SerialNodes(GridView):
             return []  # the round is over: they stay, to be dropped unsent
         not_sent = []
         for node, our_id in ready.items():
-            took = min(self._took.get((node, self._waiting[our_id].metadata.message_type), (0.0,)))
             message = self._waiting.pop(our_id)
+            took = min(self._took.get((node, message.metadata.message_type), (0.0,)))
             if left is not None and left < took:
                 log(INFO, "[fedaccel] node %s became free with %.1f s of this round left; it took %.1f s or more "
                     "to answer each of its last messages of this kind: this round's is not sent", node, left, took)

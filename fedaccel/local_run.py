@@ -188,7 +188,8 @@ def run_local(run_config: dict[str, Any], num_clients: int = DEFAULT_NUM_CLIENTS
     try:
         grid = LocalGrid(client_app, run_config, num_clients, seed=int(run_config.get("seed", 0)))
         prepare_clients(list(grid.contexts.values()))  # every client's tensors before round 1
-        if cfg.stateful_clients and client_runtime(served_contexts(next(iter(grid.contexts.values())))[0]).state_mode == "disk":
+        first_client = served_contexts(next(iter(grid.contexts.values())))[0]
+        if cfg.stateful_clients and client_runtime(first_client).state_mode == "disk":
             claim_state_run_dir(state_run_dir(state_dir, grid.run.run_id))  # its clients' state lives there
         def of_first_client(ask: Callable[[Context], Any]) -> Callable[[Context], Any]:
             # a cohort node's question goes to its first logical client (the node's own
@@ -266,8 +267,9 @@ def resume_config(where: str, overrides: dict[str, Any], num_clients: int | None
 
 def preflight(run_config: dict[str, Any], num_clients: int) -> tuple[RunConfig, int]:
     """What a run refuses before any work (the config, cohort-batching='on'
-    for a run that cannot be batched, the cohort size, the memory, the tracker): the typed config and the number of clients
-    (``logical-clients`` when the nodes serve that many, else ``num_clients``)."""
+    for a run that cannot be batched, the cohort size, the memory, the
+    tracker): the typed config and the number of clients (``logical-clients``
+    when the nodes serve that many, else ``num_clients``)."""
     from fedaccel.experiment import refuse_unbatchable
     from fedaccel.memory import require_memory
     from fedaccel.run_config import parse_run_config

@@ -638,8 +638,8 @@ def test_invariants_hold_when_a_nodes_reply_is_late_an_error_or_partly_rejected(
     back then, as in Flower's simulation), a crashed node, an envelope whose
     second chunk's batched steps raised after its first chunk's clients
     sealed their state (its node's Context as the in-process grid keeps it,
-    and as Flower's simulation does), one rejected client's reply (and, with ``stragglers``, a third of each round's clients
-    dropped): after every round each logical client holds exactly the state
+    and as Flower's simulation does), one rejected client's reply (and,
+    with ``stragglers``, a third of each round's clients dropped): after every round each logical client holds exactly the state
     version of the round the server applied, in its node's context or its
     folder, and the server's aggregate agrees with the clients' (SCAFFOLD's
     c = mean c_i, FedDC's c and drift sum, FedDyn's h = mean grad_prev_i,

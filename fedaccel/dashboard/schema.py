@@ -20,7 +20,7 @@ from typing import Any
 from fedaccel.errors import USER_ERRORS
 from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, preflight, project_dir,
                                 run_config_tokens)
-from fedaccel.experiment import refuse_on_flower, refuse_unbatchable
+from fedaccel.experiment import refuse_on_flower
 from fedaccel.registry import all_algorithms, describe
 from fedaccel.run_config import CHOICES, parse_run_config
 from fedaccel.trackers import require_tracker
@@ -145,7 +145,6 @@ def validate(values: dict[str, Any], num_clients: int, engine: str = "fast") -> 
             cfg = parse_run_config(run_config)
             require_tracker(cfg.tracker, cfg.tracker_uri)
             refuse_on_flower(cfg)
-            refuse_unbatchable(cfg)
             if cfg.logical_clients:  # the clients are known without the nodes
                 cfg.cohort_size(cfg.logical_clients)
     except FormError:
