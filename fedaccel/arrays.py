@@ -215,8 +215,9 @@ class StackedRows:
     Arrays (:func:`deferred_row`) reach host memory only when something
     reads their values as NumPy or bytes, and then all rows in one copy.
     The server's reply checks (:func:`all_finite`: one pass over the stack
-    for every client) and its mean (:func:`mean_of_records`: on the stack's
-    CUDA GPU, when it lives on one) read the stack itself. The tensor must
+    for every client), its means (:func:`mean_of_records`: on the stack's
+    CUDA GPU, when it lives on one, else a block of rows at a time) and
+    sums (:func:`add_records`) read the stack itself. The tensor must
     not change while its rows' Arrays live. Written by hand: Flower's Arrays
     are bytes in host memory.
     """
@@ -498,7 +499,10 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
     example-weighted mean of float32 arrays is bit-identical to Flower's.
     ``dtype`` accumulates in that dtype (``np.float64`` for server state kept
     across rounds); None keeps each array's dtype. Flower ``Array`` values are
-    read as zero-copy views (:func:`to_numpy`).
+    read as zero-copy views (:func:`to_numpy`); rows of the cohort trainer's
+    stacks (:class:`StackedRows`) where the stacks are, a block of rows at a
+    time (:func:`_mean_on_device`, :func:`_sum_of_rows`: the same bits, 0.3
+    instead of 0.6 ms for 100 uploads of the Synthetic MLP on a 2-core CPU).
     """
     if not records:
         raise ValueError("mean_of_records needs at least one record")
@@ -512,6 +516,13 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
     on_device = _mean_on_device(records, scales, dtype)
     if on_device is not None:
         return on_device
+    columns = _host_rows(records)
+    if columns is not None and (dtype is None or np.dtype(dtype) in _ACCUMULATE_ON_DEVICE):
+        # rows of stacks in host memory (a batched round's uploads on a CPU): each
+        # row in the accumulating dtype times its scale rounded to it, as the loop's
+        # array times a Python float (NumPy 2: in the array's dtype)
+        return {key: _sum_of_rows(picked, np.dtype(dtype) if dtype is not None else picked[0][0].host().dtype,
+                                  scales) for key, picked in columns.items()}
     acc: dict[str, np.ndarray] = {}
     for record, weight in zip(records, scales):
         for key, value in record.items():
@@ -523,6 +534,111 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
             else:
                 acc[key] += array * weight
     return acc
+
+
+def add_records(acc: dict[str, np.ndarray], records: Sequence[Mapping[str, Array | np.ndarray]]) -> None:
+    """``acc[key] += value`` for every value of every record, record by record
+    (in place, NumPy's rounding and casting of ``+=``): the server's sums of
+    the replies' arrays (SCAFFOLD's ``sum dc_i``, Douglas-Rachford's
+    ``sum g_i``). Rows of stacks in host memory (a batched round's replies)
+    are added a block of rows at a time, bit for bit the loop's sums."""
+    if not records:
+        return
+    columns = _host_rows(records)
+    # (a sum in acc's dtype of values that cast to it exactly: float32 into float64)
+    if columns is not None and all(
+            key in acc and acc[key].shape == picked[0][0].host().shape[1:] and acc[key].dtype in _ACCUMULATE_ON_DEVICE
+            and np.result_type(acc[key].dtype, picked[0][0].host().dtype) == acc[key].dtype
+            for key, picked in columns.items()):
+        for key, picked in columns.items():
+            acc[key][...] = _sum_of_rows(picked, acc[key].dtype, None, acc[key])
+        return
+    for record in records:
+        for key, value in record.items():
+            acc[key] += to_numpy(value) if isinstance(value, Array) else np.asarray(value)
+
+
+def sequential_sum(rows: np.ndarray) -> np.ndarray:
+    """``rows[0] + rows[1] + ... + rows[n-1]`` in that order, elementwise
+    (``[n, ...]`` -> ``[...]``): what ``acc = rows[0]; acc += rows[i]``
+    gives, bit for bit, in one pass. NumPy's ``add.reduce`` over axis 0 of a
+    C-contiguous ``[n, m]`` array (m >= 2) adds the rows in order, one
+    elementwise add per row; over a 1-d array it sums pairwise (another
+    order), so a row of one value is padded to two. It starts from
+    ``initial``: -0.0, the one value that adds as nothing (its default, 0.0,
+    turns a sum of negative zeros into +0.0).
+    tests/test_arrays.py checks both on values where the orders differ."""
+    rows = np.ascontiguousarray(rows)
+    n, shape = rows.shape[0], rows.shape[1:]
+    flat = rows.reshape(n, math.prod(shape))
+    if flat.shape[1] == 1:
+        flat = np.concatenate([flat, np.zeros_like(flat)], axis=1)
+    return np.add.reduce(flat, axis=0, initial=-0.0)[:math.prod(shape)].reshape(shape)
+
+
+SUM_BLOCK_BYTES = 1 << 20  # the rows _sum_of_rows copies at a time (in the accumulating dtype)
+
+
+def _sum_of_rows(picked: list[tuple[StackedRows, int]], into: np.dtype, scales: list[float] | None,
+                 start: np.ndarray | None = None) -> np.ndarray:
+    """``start + s_0 r_0 + s_1 r_1 + ...`` in that order, in dtype ``into``
+    (``r_i`` row ``picked[i][1]`` of stack ``picked[i][0]``, cast to
+    ``into`` within the product; ``s_i`` ``scales[i]`` rounded to ``into``,
+    or no product where ``scales`` is None; no ``start``: from ``s_0 r_0``),
+    the loop's sum bit for bit. Copies the rows a block at a time, at most
+    :data:`SUM_BLOCK_BYTES` (one indexed copy of a run of one stack's rows),
+    each block's sum the next block's first row: memory stays flat for any
+    cohort and model, and the temporaries small enough that the allocator
+    keeps them (a mean of 100 uploads as two whole-column temporaries took
+    ~700 page faults here)."""
+    acc = start
+    per_block = max(1, SUM_BLOCK_BYTES // max(1, picked[0][0].host()[0].size * into.itemsize))
+    at = 0
+    while at < len(picked):
+        stack, end = picked[at][0], at + 1
+        while end < len(picked) and picked[end][0] is stack and end - at < per_block:
+            end += 1
+        block = stack.host()[[row for _, row in picked[at:end]]]
+        if scales is not None:
+            scale = np.asarray(scales[at:end], dtype=into).reshape((-1,) + (1,) * (block.ndim - 1))
+            block = np.multiply(block, scale, dtype=into)
+        if acc is not None:
+            block = np.concatenate([acc[None], block], dtype=into)
+        acc = sequential_sum(block)
+        at = end
+    return acc
+
+
+def _host_rows(records: Sequence[Mapping[str, Array | np.ndarray]]) -> dict[str, list[tuple[StackedRows, int]]] | None:
+    """For each key, the ``(stack, row)`` of its value in each record, in
+    record order, where every array of every record is a row of a stack in
+    host memory (:class:`StackedRows` off any GPU) of float32 or float64,
+    one dtype and shape per key, holding at least one value, with the same
+    keys in the same order in every record; else None (the caller's loop).
+    Written by hand: Flower's Arrays are bytes of their own."""
+    keys = list(records[0].keys())
+    picks: dict[str, list[tuple[StackedRows, int]]] = {key: [] for key in keys}
+    appends = [picks[key].append for key in keys]
+    stacks: dict[int, StackedRows] = {}
+    for record in records:
+        if list(record.keys()) != keys:
+            return None
+        for append, value in zip(appends, record.values()):
+            if type(value) is not DeferredArray:
+                return None
+            fields = value.__dict__
+            rows = fields.get("_rows")
+            if rows is None:  # its data was replaced: its own values
+                return None
+            stacks[id(rows)] = rows
+            append((rows, fields["_row"]))
+    if any(rows.on_device or rows.tensor.dtype not in _DEVICE_MEAN_DTYPES for rows in stacks.values()):
+        return None
+    for picked in picks.values():
+        kinds = {(stacks[i].tensor.dtype, tuple(stacks[i].tensor.shape[1:])) for i in {id(s) for s, _ in picked}}
+        if len(kinds) != 1 or math.prod(next(iter(kinds))[1]) == 0:
+            return None
+    return picks
 
 
 _ACCUMULATE_ON_DEVICE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}

@@ -364,6 +364,109 @@ def test_the_mean_on_a_gpu_is_numpys_mean_bit_for_bit(accumulate):
     assert all(rows._host is None for rows in on_gpu.values())
 
 
+def _host_chunks(generator: torch.Generator, clients: int, dtype=torch.float32) -> tuple[list, list]:
+    """Clients' arrays as rows of two host stacks (two chunks of a round),
+    in an order that mixes them and skips rows, and as plain Arrays of the
+    same values; a 1-value array, whose column NumPy would sum pairwise."""
+    half = clients // 2
+    chunks = [{"w": torch.randn(n, 5, 3, generator=generator, dtype=dtype) * torch.exp(
+                   torch.randn(n, 1, 1, generator=generator, dtype=dtype) * 6),
+               "one": torch.randn(n, 1, generator=generator, dtype=dtype) * 1e4}
+              for n in (half + 1, clients - half + 1)]
+    rows = [{k: StackedRows(t) for k, t in chunk.items()} for chunk in chunks]
+    order = [(0, r) for r in range(half, -1, -2)] + [(1, r) for r in range(clients - half)] + [(0, r)
+                                                                                                 for r in range(1, half, 2)]
+    stacked = [{k: deferred_row(rows[c][k], r) for k in chunks[c]} for c, r in order]
+    plain = [{k: from_numpy(chunks[c][k][r].numpy()) for k in chunks[c]} for c, r in order]
+    return stacked, plain
+
+
+@pytest.mark.parametrize("block_bytes", [arrays_module.SUM_BLOCK_BYTES, 100])
+@pytest.mark.parametrize("accumulate", [None, np.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_mean_of_host_stacks_is_the_loops_mean_bit_for_bit(dtype, accumulate, block_bytes, monkeypatch):
+    """Rows of stacks in host memory (a batched round's uploads on a CPU)
+    are averaged a block of rows at a time, in record order: the same bits
+    as the record-by-record loop over plain Arrays, across two stacks, rows
+    out of order, example weights and uniform, in one block per stack run
+    and in blocks of a few rows; the loop's per-record reads are not made."""
+    monkeypatch.setattr(arrays_module, "SUM_BLOCK_BYTES", block_bytes)
+    generator = torch.Generator().manual_seed(11)
+    stacked, plain = _host_chunks(generator, 101, dtype)
+    weights = [float(n) for n in torch.randint(1, 500, (len(plain),), generator=generator)]
+    expected = {w is None: mean_of_records(plain, w, accumulate) for w in (weights, None)}
+    monkeypatch.setattr(arrays_module, "to_numpy", lambda a: pytest.fail("read record by record"))
+    for w in (weights, None):
+        got = mean_of_records(stacked, w, accumulate)
+        assert list(got) == list(expected[w is None])
+        for key, want in expected[w is None].items():
+            assert got[key].dtype == want.dtype and got[key].shape == want.shape
+            assert got[key].tobytes() == want.tobytes(), key
+
+
+def test_sequential_sum_adds_rows_in_order_where_numpys_sum_would_not():
+    """A column of one value per row: NumPy's own sum over it is pairwise
+    (another order, other bits on these values); ``sequential_sum`` adds
+    row after row, as the loop does, for one value and for many, and keeps
+    a lone negative zero."""
+    from fedaccel.arrays import sequential_sum
+
+    rng = np.random.default_rng(4)
+    for shape in [(1000,), (1000, 1), (1000, 2), (300, 4, 3)]:
+        rows = rng.standard_normal(shape).astype(np.float32)
+        acc = rows[0].copy()
+        for row in rows[1:]:
+            acc += row
+        got = sequential_sum(rows)
+        assert got.shape == shape[1:] and got.tobytes() == acc.tobytes(), shape
+        if shape == (1000,):
+            assert np.add.reduce(rows).tobytes() != acc.tobytes()  # so the check can fail
+    assert np.signbit(sequential_sum(np.full((3, 2), -0.0))).all()
+
+
+@pytest.mark.parametrize("block_bytes", [arrays_module.SUM_BLOCK_BYTES, 100])
+@pytest.mark.parametrize("acc_dtype", [np.float64, np.float32])
+def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, block_bytes, monkeypatch):
+    """``acc += value`` record by record (SCAFFOLD's float64 sum of float32
+    ``dc_i``, Douglas-Rachford's float32 sum): over rows of host stacks the
+    same bits as the loop over plain Arrays, from a starting sum that is not
+    zero (and negative zeros), in place, in one block and in several."""
+    from fedaccel.arrays import add_records
+
+    monkeypatch.setattr(arrays_module, "SUM_BLOCK_BYTES", block_bytes)
+
+    generator = torch.Generator().manual_seed(12)
+    stacked, plain = _host_chunks(generator, 64)
+    start = {"w": np.full((5, 3), -0.0, acc_dtype), "one": np.array([2.5], acc_dtype)}
+    expected = {k: v.copy() for k, v in start.items()}
+    for record in plain:
+        for key, value in record.items():
+            expected[key] += value.numpy()
+    got = {k: v.copy() for k, v in start.items()}
+    kept = dict(got)
+    monkeypatch.setattr(arrays_module, "to_numpy", lambda a: pytest.fail("read record by record"))
+    add_records(got, stacked)
+    for key, want in expected.items():
+        assert got[key] is kept[key] and got[key].tobytes() == want.tobytes(), key
+
+
+def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise():
+    """float64 rows into a float32 sum (NumPy adds in float64 and rounds each
+    step), rows mixed with plain Arrays: the loop, the loop's bits."""
+    from fedaccel.arrays import add_records
+
+    generator = torch.Generator().manual_seed(13)
+    stacked, plain = _host_chunks(generator, 20, torch.float64)
+    for records in (stacked, stacked[:3] + plain[3:]):
+        got = {"w": np.zeros((5, 3), np.float32), "one": np.zeros(1, np.float32)}
+        expected = {k: v.copy() for k, v in got.items()}
+        for record in plain:
+            for key, value in record.items():
+                expected[key] += value.numpy()
+        add_records(got, records)
+        assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
+
+
 def test_to_numpy_is_a_read_only_view_of_the_payload():
     array = Array(np.arange(6, dtype=np.float32))
     view = to_numpy(array)

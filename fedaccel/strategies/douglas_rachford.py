@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.clients.douglas_rachford import server_step
-from fedaccel.arrays import numpy_to_record, record_to_numpy
+from fedaccel.arrays import add_records, numpy_to_record, record_to_numpy
 from fedaccel.config import require
 from fedaccel.strategies.base import FedAccelStrategy
 from fedaccel.strategies.server_steps import reply_metrics
@@ -82,9 +82,7 @@ class DouglasRachfordStrategy(FedAccelStrategy, FedAvg):
             x = {k: np.zeros_like(v) for k, v in x.items()}
         self.aggregated = True
         g_sum = {k: np.zeros_like(v) for k, v in x.items()}
-        for reply in replies:
-            for k, v in record_to_numpy(reply.content["arrays"]).items():
-                g_sum[k] += v
+        add_records(g_sum, [reply.content["arrays"] for reply in replies])
         n = self.federation.num_clients
         new = numpy_to_record({k: np.asarray(server_step(v, g_sum[k], n)) for k, v in x.items()})
         metrics = reply_metrics(replies, self.weighted_by_key)

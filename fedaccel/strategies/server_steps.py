@@ -41,7 +41,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.exception import InconsistentMessageReplies
 
 from fedaccel import arrays as arrays_codec
-from fedaccel.arrays import mean_of_records, record_to_numpy, records_of, to_numpy
+from fedaccel.arrays import add_records, mean_of_records, record_to_numpy, records_of
 from fedaccel.clients.scaffold import C_RECORD, DC_RECORD, control_variate_record
 
 T = TypeVar("T")
@@ -226,9 +226,7 @@ class ControlVariateServer:
         if self.c is None:
             raise RuntimeError(f"{type(self).__name__}: combine before the control variate c was sent")
         dc_sum = {k: np.zeros_like(v, dtype=np.float64) for k, v in self.c.items()}
-        for reply in replies:
-            for k, a in reply.content[DC_RECORD].items():
-                dc_sum[k] += to_numpy(a)  # a read-only view: the same values as a.numpy()
+        add_records(dc_sum, [reply.content[DC_RECORD] for reply in replies])  # in reply order, float64
         n = self.federation.num_clients  # type: ignore[attr-defined]
         self.c = {k: control_step(v.astype(np.float64), dc_sum[k], n).astype(v.dtype) for k, v in self.c.items()}
 
