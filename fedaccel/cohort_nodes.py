@@ -42,6 +42,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedaccel.client_errors import COHORT_ACTION  # envelopes are "train.cohort" and "evaluate.cohort"
+from fedaccel.contract import ContractError
 from fedaccel.errors import FederationError
 from fedaccel.grids import GridView
 from fedaccel.membership import TRANSIENT_ATTEMPTS, TransientAnswer, query_partitions
@@ -87,6 +88,13 @@ def logical_messages(envelope: Message) -> list[tuple[int, int, Message]]:
     envelope: the message it would have got as a node of its own (type
     ``train`` or ``evaluate``, its own node id), to reply to as usual."""
     index = envelope.content[INDEX]
+    partitions = [int(p) for p in index["partitions"]]
+    if len(set(partitions)) < len(partitions):
+        # one state per client and envelope: CohortNodes sends a second message in another
+        repeated = sorted(p for p in set(partitions) if partitions.count(p) > 1)
+        raise ContractError(f"a cohort envelope carries two messages for client {repeated[0]} (each client's "
+                            "messages of one send go in envelopes of their own); is the server another "
+                            "fedaccel version?")
     refs = dict(zip(index.get("refs", []), index.get("targets", [])))
     contents = [RecordDict() for _ in index["partitions"]]
     for key in index.get("names", []):
@@ -308,7 +316,8 @@ class CohortNodes(GridView):
         self._follow_nodes()
         self._started = self._started or any(m.metadata.message_type == MessageType.TRAIN for m in messages)
         replies: list[Message] = []
-        groups: dict[tuple[int, str], list[Message]] = {}
+        groups: dict[tuple[int, str, int], list[Message]] = {}
+        clients_of: dict[tuple[int, str, int], set[int]] = {}
         for message in messages:
             message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # ids as a Grid gives them on push
             pid = partition_of_logical_node(message.metadata.dst_node_id)
@@ -319,10 +328,17 @@ class CohortNodes(GridView):
                 replies.append(Message(RecordDict({"partition": record}), reply_to=message))
             elif self._num_nodes and pid % self._num_nodes in self._node_of_slot:
                 node = self._node_of_slot[pid % self._num_nodes]
-                groups.setdefault((node, message.metadata.message_type), []).append(message)
+                # a client's second message of this send goes in a further envelope (SerialNodes
+                # sends it after the first's reply): one envelope reads and keeps each client's state once
+                nth = 0
+                while pid in clients_of.get((node, message.metadata.message_type, nth), ()):
+                    nth += 1
+                key = (node, message.metadata.message_type, nth)
+                groups.setdefault(key, []).append(message)
+                clients_of.setdefault(key, set()).add(pid)
             # else: no node serves this client now; it gets no reply, as an offline node
         envelopes = []
-        for (node, message_type), group in groups.items():
+        for (node, message_type, _), group in groups.items():
             first = group[0].metadata
             envelopes.append((Message(pack_envelope(group, self.num_clients), node,
                                       f"{message_type}.{COHORT_ACTION}", ttl=first.ttl, group_id=first.group_id),
