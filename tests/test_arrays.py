@@ -367,18 +367,42 @@ def test_the_mean_on_a_gpu_is_numpys_mean_bit_for_bit(accumulate):
 def _host_chunks(generator: torch.Generator, clients: int, dtype=torch.float32) -> tuple[list, list]:
     """Clients' arrays as rows of two host stacks (two chunks of a round),
     in an order that mixes them and skips rows, and as plain Arrays of the
-    same values; a 1-value array, whose column NumPy would sum pairwise."""
+    same values: a small array (summed a block of rows at a time), a
+    1-value and a 0-d one and one larger than ``BLOCK_ROW_VALUES`` (summed
+    row by row), magnitudes far apart, and NaNs of different signs and
+    payloads and infinities in some rows."""
     half = clients // 2
+    big = arrays_module.BLOCK_ROW_VALUES + 5
     chunks = [{"w": torch.randn(n, 5, 3, generator=generator, dtype=dtype) * torch.exp(
                    torch.randn(n, 1, 1, generator=generator, dtype=dtype) * 6),
-               "one": torch.randn(n, 1, generator=generator, dtype=dtype) * 1e4}
+               "one": torch.randn(n, 1, generator=generator, dtype=dtype) * 1e4,
+               "scalar": torch.randn(n, generator=generator, dtype=dtype),
+               "big": torch.randn(n, big, generator=generator, dtype=dtype)}
               for n in (half + 1, clients - half + 1)]
+    bits = np.uint32 if dtype == torch.float32 else np.uint64
+    width = 32 if dtype == torch.float32 else 64
+    nans = [bits((1 << width) - (1 << (width - 10))), bits((0x7FC00001 if width == 32 else 0x7FF8000000000001))]
+    for chunk in chunks:
+        for key in ("w", "one", "scalar", "big"):
+            flat = chunk[key].numpy().reshape(len(chunk[key]), -1).view(bits)
+            flat[1, 0], flat[2, 0] = nans  # -NaN and a NaN with a payload, in two clients' rows
+        chunk["w"][3, 0, 1] = float("inf")
+        chunk["big"][4, 7] = float("-inf")
     rows = [{k: StackedRows(t) for k, t in chunk.items()} for chunk in chunks]
     order = [(0, r) for r in range(half, -1, -2)] + [(1, r) for r in range(clients - half)] + [(0, r)
                                                                                                  for r in range(1, half, 2)]
     stacked = [{k: deferred_row(rows[c][k], r) for k in chunks[c]} for c, r in order]
     plain = [{k: from_numpy(chunks[c][k][r].numpy()) for k in chunks[c]} for c, r in order]
     return stacked, plain
+
+
+def _same_as_the_loop(got: dict, expected: dict) -> None:
+    """The same keys, types, dtypes, shapes and bytes (NaN payloads included)."""
+    assert list(got) == list(expected)
+    for key, want in expected.items():
+        assert type(got[key]) is type(want), key
+        assert got[key].dtype == want.dtype and got[key].shape == want.shape, key
+        assert np.asarray(got[key]).tobytes() == np.asarray(want).tobytes(), key
 
 
 @pytest.mark.parametrize("block_bytes", [arrays_module.SUM_BLOCK_BYTES, 100])
@@ -395,13 +419,10 @@ def test_the_mean_of_host_stacks_is_the_loops_mean_bit_for_bit(dtype, accumulate
     stacked, plain = _host_chunks(generator, 101, dtype)
     weights = [float(n) for n in torch.randint(1, 500, (len(plain),), generator=generator)]
     expected = {w is None: mean_of_records(plain, w, accumulate) for w in (weights, None)}
+    assert np.isnan(expected[True]["w"]).any() and np.isinf(expected[True]["big"]).any()
     monkeypatch.setattr(arrays_module, "to_numpy", lambda a: pytest.fail("read record by record"))
     for w in (weights, None):
-        got = mean_of_records(stacked, w, accumulate)
-        assert list(got) == list(expected[w is None])
-        for key, want in expected[w is None].items():
-            assert got[key].dtype == want.dtype and got[key].shape == want.shape
-            assert got[key].tobytes() == want.tobytes(), key
+        _same_as_the_loop(mean_of_records(stacked, w, accumulate), expected[w is None])
 
 
 def test_sequential_sum_adds_rows_in_order_where_numpys_sum_would_not():
@@ -437,7 +458,9 @@ def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, block_bytes, monkey
 
     generator = torch.Generator().manual_seed(12)
     stacked, plain = _host_chunks(generator, 64)
-    start = {"w": np.full((5, 3), -0.0, acc_dtype), "one": np.array([2.5], acc_dtype)}
+    start = {"w": np.full((5, 3), -0.0, acc_dtype), "one": np.array([2.5], acc_dtype),
+             "scalar": np.array(-0.0, acc_dtype), "big": np.linspace(-1, 1, arrays_module.BLOCK_ROW_VALUES + 5,
+                                                                     dtype=acc_dtype)}
     expected = {k: v.copy() for k, v in start.items()}
     for record in plain:
         for key, value in record.items():
@@ -446,8 +469,8 @@ def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, block_bytes, monkey
     kept = dict(got)
     monkeypatch.setattr(arrays_module, "to_numpy", lambda a: pytest.fail("read record by record"))
     add_records(got, stacked)
-    for key, want in expected.items():
-        assert got[key] is kept[key] and got[key].tobytes() == want.tobytes(), key
+    _same_as_the_loop(got, expected)
+    assert all(got[key] is kept[key] for key in kept)  # in place, as the loop's +=
 
 
 def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise():
@@ -458,13 +481,20 @@ def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise
     generator = torch.Generator().manual_seed(13)
     stacked, plain = _host_chunks(generator, 20, torch.float64)
     for records in (stacked, stacked[:3] + plain[3:]):
-        got = {"w": np.zeros((5, 3), np.float32), "one": np.zeros(1, np.float32)}
+        got = {"w": np.zeros((5, 3), np.float32), "one": np.zeros(1, np.float32), "scalar": np.float32(0),
+               "big": np.zeros(arrays_module.BLOCK_ROW_VALUES + 5, np.float32)}
         expected = {k: v.copy() for k, v in got.items()}
         for record in plain:
             for key, value in record.items():
                 expected[key] += value.numpy()
         add_records(got, records)
-        assert all(got[k].tobytes() == expected[k].tobytes() for k in expected)
+        _same_as_the_loop(got, expected)
+    # a sum kept as a NumPy scalar (not an array it could write into): the loop's rebinding
+    got, expected = {"scalar": np.float64(1.5)}, {"scalar": np.float64(1.5)}
+    for record in plain:
+        expected["scalar"] += record["scalar"].numpy()
+    add_records(got, [{"scalar": r["scalar"]} for r in stacked])
+    _same_as_the_loop(got, expected)
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():
