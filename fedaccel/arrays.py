@@ -544,18 +544,21 @@ def add_records(acc: dict[str, np.ndarray], records: Sequence[Mapping[str, Array
     (in place, NumPy's rounding and casting of ``+=``): the server's sums of
     the replies' arrays (SCAFFOLD's ``sum dc_i``, Douglas-Rachford's
     ``sum g_i``). Rows of stacks in host memory (a batched round's replies)
-    are read where they are (:func:`_sum_of_rows`), bit for bit the loop's sums."""
+    are read where they are, key by key (:func:`_sum_of_rows`), bit for bit
+    the loop's sums, when every ``acc[key]`` is a plain writable ndarray of
+    its own (no two keys' sums share memory: key by key would add in
+    another order) of float32 or float64 that the rows cast to exactly."""
     if not records:
         return
     columns = _host_rows(records)
-    # (a sum in acc's dtype of values that cast to it exactly: float32 into float64)
     if columns is not None and all(
-            key in acc and isinstance(acc[key], np.ndarray) and acc[key].shape == picked[0][0].host().shape[1:]
-            and acc[key].dtype in _ACCUMULATE_ON_DEVICE
+            key in acc and type(acc[key]) is np.ndarray and acc[key].flags.writeable
+            and acc[key].shape == picked[0][0].host().shape[1:] and acc[key].dtype in _ACCUMULATE_ON_DEVICE
             and np.result_type(acc[key].dtype, picked[0][0].host().dtype) == acc[key].dtype
-            for key, picked in columns.items()):
+            for key, picked in columns.items()) and not any(
+            np.may_share_memory(acc[a], acc[b]) for i, a in enumerate(columns) for b in list(columns)[i + 1:]):
         for key, picked in columns.items():
-            acc[key][...] = _sum_of_rows(picked, acc[key].dtype, None, acc[key])
+            _sum_of_rows(picked, acc[key].dtype, None, acc[key])
         return
     for record in records:
         for key, value in record.items():
@@ -590,18 +593,21 @@ def _sum_of_rows(picked: list[tuple[StackedRows, int]], into: np.dtype, scales: 
     (``r_i`` row ``picked[i][1]`` of stack ``picked[i][0]``, cast to
     ``into`` within the product; ``s_i`` ``scales[i]`` rounded to ``into``,
     or no product where ``scales`` is None; no ``start``: from ``s_0 r_0``),
-    the loop's sum bit for bit, as a new array.
+    the loop's sum bit for bit. With ``start`` the sum is written into it
+    (it is the caller's ``acc``); without, it is a new array.
 
     Rows of 2 to :data:`BLOCK_ROW_VALUES` values (the small models' layers,
     where one NumPy call per row costs more than its arithmetic) are copied
-    a block at a time, at most :data:`SUM_BLOCK_BYTES` (one indexed copy of
-    a run of one stack's rows), and summed by :func:`sequential_sum`, each
-    block's sum the next block's first row: 0.35 instead of 0.6 ms for 100
-    clients of the Synthetic MLP. Larger rows are added one at a time
-    through one reused temporary (blocks were slower there: 8,192-value rows
-    0.57 against 0.38 ms, a CNN's 1.6M-value layer about 3.5 times as slow),
-    and so are 1-value rows (padding them to two would change a NaN's
-    payload against the loop's scalar addition)."""
+    a block of rows at a time (each temporary at most about
+    :data:`SUM_BLOCK_BYTES`: one indexed copy of a run of one stack's rows,
+    its product, and the block with the sum so far as its first row) and
+    summed by :func:`sequential_sum`, each block's sum the next block's
+    first row: 0.35 instead of 0.6 ms for 100 clients of the Synthetic MLP.
+    Larger rows and 1-value rows are added one at a time, as the loop adds
+    them (blocks were slower for large rows: 8,192-value rows 0.57 against
+    0.38 ms, a CNN's 1.6M-value layer about 3.5 times as slow; a 1-value
+    row padded to two would give a NaN another payload than the loop's
+    scalar addition)."""
     values = int(picked[0][0].host()[0].size)
     if values == 1 or values > BLOCK_ROW_VALUES:
         return _sum_row_by_row(picked, into, scales, start)
@@ -620,21 +626,22 @@ def _sum_of_rows(picked: list[tuple[StackedRows, int]], into: np.dtype, scales: 
             block = np.concatenate([acc[None], block], dtype=into)
         acc = sequential_sum(block)
         at = end
+    if start is not None:
+        start[...] = acc
+        return start
     return acc
 
 
 def _sum_row_by_row(picked: list[tuple[StackedRows, int]], into: np.dtype, scales: list[float] | None,
                     start: np.ndarray | None) -> np.ndarray:
-    """:func:`_sum_of_rows` one row at a time: ``acc += s_i r_i`` (the
-    product in a temporary made once), the loop's arithmetic exactly."""
-    acc = None if start is None else np.array(start, dtype=into)
-    product = None
+    """:func:`_sum_of_rows` one row at a time, the loop's own steps:
+    ``acc = r_0.astype(into) * s_0``, then ``acc += r_i.astype(into) * s_i``
+    (``acc += r_i`` without scales), into ``start`` in place when given."""
+    acc = start
     for i, (stack, row) in enumerate(picked):
         value = stack.host()[row, ...]
         if scales is not None:
-            if product is None:
-                product = np.empty(value.shape, dtype=into)
-            value = np.multiply(value, into.type(scales[i]), out=product, dtype=into)
+            value = value.astype(into, copy=False) * into.type(scales[i])
         if acc is None:
             acc = np.array(value, dtype=into)
         else:

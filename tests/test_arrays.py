@@ -377,15 +377,19 @@ def _host_chunks(generator: torch.Generator, clients: int, dtype=torch.float32) 
                    torch.randn(n, 1, 1, generator=generator, dtype=dtype) * 6),
                "one": torch.randn(n, 1, generator=generator, dtype=dtype) * 1e4,
                "scalar": torch.randn(n, generator=generator, dtype=dtype),
-               "big": torch.randn(n, big, generator=generator, dtype=dtype)}
+               "big": torch.randn(n, big, generator=generator, dtype=dtype),
+               "edge": torch.randn(n, arrays_module.BLOCK_ROW_VALUES, generator=generator, dtype=dtype)}
               for n in (half + 1, clients - half + 1)]
     bits = np.uint32 if dtype == torch.float32 else np.uint64
     width = 32 if dtype == torch.float32 else 64
-    nans = [bits((1 << width) - (1 << (width - 10))), bits((0x7FC00001 if width == 32 else 0x7FF8000000000001))]
+    nans = [bits(0xFFC00000 if width == 32 else 0xFFF8000000000000),  # -NaN
+            bits(0x7FC00001 if width == 32 else 0x7FF8000000000001)]  # a NaN with a payload
     for chunk in chunks:
         for key in ("w", "one", "scalar", "big"):
             flat = chunk[key].numpy().reshape(len(chunk[key]), -1).view(bits)
             flat[1, 0], flat[2, 0] = nans  # -NaN and a NaN with a payload, in two clients' rows
+            planted = chunk[key].numpy().reshape(len(chunk[key]), -1)[1:3, 0]
+            assert np.isnan(planted).all() and np.signbit(planted).tolist() == [True, False]
         chunk["w"][3, 0, 1] = float("inf")
         chunk["big"][4, 7] = float("-inf")
     rows = [{k: StackedRows(t) for k, t in chunk.items()} for chunk in chunks]
@@ -406,7 +410,7 @@ def _same_as_the_loop(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize("block_bytes", [arrays_module.SUM_BLOCK_BYTES, 100])
-@pytest.mark.parametrize("accumulate", [None, np.float64])
+@pytest.mark.parametrize("accumulate", [None, np.float64, np.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_mean_of_host_stacks_is_the_loops_mean_bit_for_bit(dtype, accumulate, block_bytes, monkeypatch):
     """Rows of stacks in host memory (a batched round's uploads on a CPU)
@@ -446,8 +450,9 @@ def test_sequential_sum_adds_rows_in_order_where_numpys_sum_would_not():
 
 
 @pytest.mark.parametrize("block_bytes", [arrays_module.SUM_BLOCK_BYTES, 100])
-@pytest.mark.parametrize("acc_dtype", [np.float64, np.float32])
-def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, block_bytes, monkeypatch):
+@pytest.mark.parametrize("acc_dtype,dtype", [(np.float64, torch.float32), (np.float32, torch.float32),
+                                             (np.float64, torch.float64)])
+def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, dtype, block_bytes, monkeypatch):
     """``acc += value`` record by record (SCAFFOLD's float64 sum of float32
     ``dc_i``, Douglas-Rachford's float32 sum): over rows of host stacks the
     same bits as the loop over plain Arrays, from a starting sum that is not
@@ -457,20 +462,25 @@ def test_add_records_is_the_loops_sum_bit_for_bit(acc_dtype, block_bytes, monkey
     monkeypatch.setattr(arrays_module, "SUM_BLOCK_BYTES", block_bytes)
 
     generator = torch.Generator().manual_seed(12)
-    stacked, plain = _host_chunks(generator, 64)
+    stacked, plain = _host_chunks(generator, 64, dtype)
     start = {"w": np.full((5, 3), -0.0, acc_dtype), "one": np.array([2.5], acc_dtype),
              "scalar": np.array(-0.0, acc_dtype), "big": np.linspace(-1, 1, arrays_module.BLOCK_ROW_VALUES + 5,
-                                                                     dtype=acc_dtype)}
+                                                                     dtype=acc_dtype),
+             # a view of every other value of a larger array: written through, as the loop's +=
+             "edge": np.linspace(-2, 2, 2 * arrays_module.BLOCK_ROW_VALUES, dtype=acc_dtype)[::2]}
     expected = {k: v.copy() for k, v in start.items()}
     for record in plain:
         for key, value in record.items():
             expected[key] += value.numpy()
     got = {k: v.copy() for k, v in start.items()}
+    base = np.linspace(-2, 2, 2 * arrays_module.BLOCK_ROW_VALUES, dtype=acc_dtype)
+    got["edge"] = base[::2]
     kept = dict(got)
     monkeypatch.setattr(arrays_module, "to_numpy", lambda a: pytest.fail("read record by record"))
     add_records(got, stacked)
     _same_as_the_loop(got, expected)
     assert all(got[key] is kept[key] for key in kept)  # in place, as the loop's +=
+    assert base[::2].tobytes() == expected["edge"].tobytes()
 
 
 def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise():
@@ -482,7 +492,8 @@ def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise
     stacked, plain = _host_chunks(generator, 20, torch.float64)
     for records in (stacked, stacked[:3] + plain[3:]):
         got = {"w": np.zeros((5, 3), np.float32), "one": np.zeros(1, np.float32), "scalar": np.float32(0),
-               "big": np.zeros(arrays_module.BLOCK_ROW_VALUES + 5, np.float32)}
+               "big": np.zeros(arrays_module.BLOCK_ROW_VALUES + 5, np.float32),
+               "edge": np.zeros(arrays_module.BLOCK_ROW_VALUES, np.float32)}
         expected = {k: v.copy() for k, v in got.items()}
         for record in plain:
             for key, value in record.items():
@@ -495,6 +506,45 @@ def test_add_records_falls_back_to_the_loop_where_a_column_would_round_otherwise
         expected["scalar"] += record["scalar"].numpy()
     add_records(got, [{"scalar": r["scalar"]} for r in stacked])
     _same_as_the_loop(got, expected)
+
+
+def test_add_records_leaves_sums_it_cannot_write_alike_to_the_loop():
+    """Sums the fast path would not leave as the loop does go through the
+    loop: a masked array (the loop keeps its mask), a read-only array (the
+    loop's error, nothing summed past the first record), and two keys whose
+    sums share one array (the loop adds record by record, alternating)."""
+    from fedaccel.arrays import add_records
+
+    stacked, plain = _host_chunks(torch.Generator().manual_seed(14), 12, torch.float64)
+    records = [{"w": r["w"], "edge": r["edge"]} for r in stacked]
+    plain_records = [{"w": r["w"], "edge": r["edge"]} for r in plain]
+
+    def both(make):
+        got, expected = make(), make()
+        for record in plain_records:
+            for key, value in record.items():
+                expected[key] += value.numpy()
+        add_records(got, records)
+        return got, expected
+
+    got, expected = both(lambda: {"w": np.ma.masked_array(np.full((5, 3), 0.5), mask=np.eye(5, 3, dtype=bool)),
+                                  "edge": np.zeros(arrays_module.BLOCK_ROW_VALUES)})
+    assert type(got["w"]) is np.ma.MaskedArray and np.array_equal(got["w"].mask, expected["w"].mask)
+    assert got["w"].data.tobytes() == expected["w"].data.tobytes()
+    shared = np.zeros(arrays_module.BLOCK_ROW_VALUES)
+    got, expected = {"w": np.zeros((5, 3)), "edge": shared}, {"w": np.zeros((5, 3)), "edge": shared.copy()}
+    got["also"] = got["edge"][:]  # a second key on the same memory
+    expected["also"] = expected["edge"][:]
+    add_records(got, [{**r, "also": r["edge"]} for r in records])
+    for record in plain_records:
+        for key, value in {**record, "also": record["edge"]}.items():
+            expected[key] += value.numpy()
+    assert got["edge"].tobytes() == expected["edge"].tobytes()
+    frozen = {"w": np.zeros((5, 3)), "edge": np.zeros(arrays_module.BLOCK_ROW_VALUES)}
+    frozen["edge"].flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        add_records(frozen, records)
+    assert frozen["w"].tobytes() == plain_records[0]["w"].numpy().tobytes()  # the loop's state at its error
 
 
 def test_to_numpy_is_a_read_only_view_of_the_payload():
