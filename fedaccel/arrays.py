@@ -513,19 +513,20 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
     if not total > 0:
         raise ValueError(f"weights must sum to > 0, got {total}")
     scales = [w / total for w in raw]
-    on_device = _mean_on_device(records, scales, dtype)
-    if on_device is not None:
-        return on_device
-    columns = _host_rows(records)
-    if columns is not None and (dtype is None or np.dtype(dtype) in _ACCUMULATE_ON_DEVICE):
+    found = _stack_rows(records)
+    if (found is not None and not any(stack.on_device for stack in found[1])
+            and (dtype is None or np.dtype(dtype) in _ACCUMULATE_ON_DEVICE)):
         # rows of stacks in host memory (a batched round's uploads on a CPU): each
         # row in the accumulating dtype times its scale rounded to it, as the loop's
         # array times a Python float (NumPy 2: in the array's dtype)
         means = {}
-        for key, picked in columns.items():
+        for key, picked in found[0].items():
             mean = _sum_of_rows(picked, np.dtype(dtype) if dtype is not None else picked[0][0].host().dtype, scales)
             means[key] = mean[()] if mean.ndim == 0 else mean  # a 0-d mean as the loop's: a NumPy scalar
         return means
+    on_device = _mean_on_device(records, scales, dtype) if found is not None else None
+    if on_device is not None:
+        return on_device
     acc: dict[str, np.ndarray] = {}
     for record, weight in zip(records, scales):
         for key, value in record.items():
@@ -550,7 +551,8 @@ def add_records(acc: dict[str, np.ndarray], records: Sequence[Mapping[str, Array
     another order) of float32 or float64 that the rows cast to exactly."""
     if not records:
         return
-    columns = _host_rows(records)
+    found = _stack_rows(records)
+    columns = found[0] if found is not None and not any(stack.on_device for stack in found[1]) else None
     if columns is not None and all(
             key in acc and type(acc[key]) is np.ndarray and acc[key].flags.writeable
             and acc[key].shape == picked[0][0].host().shape[1:] and acc[key].dtype in _ACCUMULATE_ON_DEVICE
@@ -649,12 +651,14 @@ def _sum_row_by_row(picked: list[tuple[StackedRows, int]], into: np.dtype, scale
     return acc
 
 
-def _host_rows(records: Sequence[Mapping[str, Array | np.ndarray]]) -> dict[str, list[tuple[StackedRows, int]]] | None:
+def _stack_rows(records: Sequence[Mapping[str, Array | np.ndarray]]
+                ) -> tuple[dict[str, list[tuple[StackedRows, int]]], list[StackedRows]] | None:
     """For each key, the ``(stack, row)`` of its value in each record, in
-    record order, where every array of every record is a row of a stack in
-    host memory (:class:`StackedRows` off any GPU) of float32 or float64,
-    one dtype and shape per key, holding at least one value, with the same
-    keys in the same order in every record; else None (the caller's loop).
+    record order, and the distinct stacks, where every array of every record
+    is a row of a :class:`StackedRows` of float32 or float64, one dtype and
+    shape per key, holding at least one value, with the same keys in the
+    same order in every record; else None (the caller's loop). The stacks
+    may live on the host or on a device (the caller decides where to sum).
     Written by hand: Flower's Arrays are bytes of their own."""
     keys = list(records[0].keys())
     picks: dict[str, list[tuple[StackedRows, int]]] = {key: [] for key in keys}
@@ -672,13 +676,13 @@ def _host_rows(records: Sequence[Mapping[str, Array | np.ndarray]]) -> dict[str,
                 return None
             stacks[id(rows)] = rows
             append((rows, fields["_row"]))
-    if any(rows.on_device or rows.tensor.dtype not in _DEVICE_MEAN_DTYPES for rows in stacks.values()):
+    if any(rows.tensor.dtype not in _DEVICE_MEAN_DTYPES for rows in stacks.values()):
         return None
     for picked in picks.values():
         kinds = {(stacks[i].tensor.dtype, tuple(stacks[i].tensor.shape[1:])) for i in {id(s) for s, _ in picked}}
         if len(kinds) != 1 or math.prod(next(iter(kinds))[1]) == 0:
             return None
-    return picks
+    return picks, list(stacks.values())
 
 
 _ACCUMULATE_ON_DEVICE = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
@@ -692,36 +696,23 @@ def _mean_on_device(records: Sequence[Mapping[str, Array | np.ndarray]], scales:
     NumPy loop's result: ``acc = v_0 * s_0; acc += v_i * s_i`` in record
     order, each scale rounded to the accumulating dtype as NumPy rounds a
     Python float, a product and a sum per client in IEEE arithmetic. Only
-    the mean crosses to the host. None (the NumPy loop) unless every array
-    of every record is such a row, of float32 or float64, on one device,
-    with the same keys in the same order in every record."""
-    keys = list(records[0].keys())
-    columns: dict[str, list[tuple[torch.Tensor, int]]] = {key: [] for key in keys}
-    device = None
-    for record in records:
-        if list(record.keys()) != keys:
-            return None
-        for key in keys:
-            value = record[key]
-            fields = value.__dict__ if type(value) is DeferredArray else {}
-            rows = fields.get("_rows")
-            if rows is None or not rows.on_device or rows.tensor.dtype not in _DEVICE_MEAN_DTYPES:
-                return None
-            if device is None:
-                device = rows.tensor.device
-            if rows.tensor.device != device or (columns[key] and columns[key][0][0].dtype != rows.tensor.dtype):
-                return None
-            columns[key].append((rows.tensor, fields["_row"]))
+    the mean crosses to the host. None (the NumPy loop) unless the records
+    are rows of stacks (:func:`_stack_rows`) that all live on one device."""
+    found = _stack_rows(records)
     accumulate_in = None if dtype is None else _ACCUMULATE_ON_DEVICE.get(np.dtype(dtype))
-    if device is None or (dtype is not None and accumulate_in is None):
+    if found is None or (dtype is not None and accumulate_in is None):
         return None
+    picks, stacks = found
+    if not all(stack.on_device for stack in stacks) or len({stack.tensor.device for stack in stacks}) != 1:
+        return None
+    device = stacks[0].tensor.device
     means: dict[str, np.ndarray] = {}
-    for key, column in columns.items():
-        target = accumulate_in or column[0][0].dtype
+    for key, picked in picks.items():
+        target = accumulate_in or picked[0][0].tensor.dtype
         weights = torch.tensor(scales, dtype=target, device=device)
         acc = None
-        for i, (stack, row) in enumerate(column):
-            product = stack[row].to(target) * weights[i]
+        for i, (stack, row) in enumerate(picked):
+            product = stack.tensor[row].to(target) * weights[i]
             if acc is None:
                 acc = product
             else:
