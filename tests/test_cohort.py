@@ -1778,3 +1778,92 @@ def test_state_formed_for_the_batch_is_each_clients_end_round_byte_for_byte(algo
         assert list(a.record.keys()) == list(b.record.keys())
         assert all(a.record[k] == b.record[k] for k in a.record.keys())
     assert any(k.startswith(f"fedaccel.v3.{algo}") for k in formed_states[6].record.keys())
+
+
+@pytest.mark.parametrize("store", ["context", "disk", "stacked"])
+@pytest.mark.parametrize("damage", ["float64", "other-shapes"])
+@pytest.mark.parametrize("algo", ["feddyn", "fedrkmgc", "scaffold", "feddc"])
+def test_a_client_whose_saved_state_is_another_models_fails_alone_on_both_paths(algo, damage, store,
+                                                                                 tmp_path) -> None:
+    """A client whose committed state was written by another model (other
+    shapes) or by the same model in float64 (a ``precision='float64'`` run's
+    state-dir) gets one ConfigError, in its own round and in a batched one;
+    the others train as one client at a time trains them (the float64 rows
+    used to promote the whole cohort's stacks, failing every client, and
+    the per-client round trained on them)."""
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+    from fedaccel.clients.state import DiskState, flat_groups
+    from fedaccel.config import ConfigError
+
+    cfg = run_cfg(algo, **{"batch-size": 16, "momentum": 0.9})
+    model, datas = make_model(), clients([20, 5, 16, 33])
+    other = make_model().double() if damage == "float64" else make_model(shape=(7,))
+    solver = new_solver(cfg, model)
+    saved = flat_groups({g: {k: p.detach() for k, p in other.named_parameters()} for g in solver.saved_groups})
+
+    def states(path: str) -> list:
+        stacked = StackedClientStates(len(datas))
+        made = [ContextState(RecordDict()) if store == "context" else DiskState(tmp_path / f"{path}-{c}")
+                if store == "disk" else StackedRowState(stacked, c) for c in range(len(datas))]
+        made[2].begin(1)  # committed as round 1's
+        made[2].put(solver.state_name, saved)
+        made[2].seal()
+        made[2].resolve(1)
+        return made
+
+    def config(c: int) -> dict:
+        values = config_for(algo, 2)
+        values["accepted-round"] = 1 if c == 2 else 0  # client 2 alone trained (and was applied) in round 1
+        return values
+
+    alone_states = states("alone")
+    alone = []
+    for c, data in enumerate(datas):
+        try:
+            alone.append(new_solver(cfg, model).fit(copy.deepcopy(model), data, config(c), alone_states[c],
+                                                    seeded_generator(cfg.seed, 2, c, "train"),
+                                                    received_for(algo, model)))
+        except ConfigError as err:
+            alone.append(err)
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model), config=config(c),
+                      state=state, generator=seeded_generator(cfg.seed, 2, c, "train"),
+                      received=received_for(algo, model))
+            for c, (data, state) in enumerate(zip(datas, states("batched")))]
+    batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    for results in (alone, batched):
+        assert isinstance(results[2], ConfigError) and "not this model's" in str(results[2]), results[2]
+    for c in (0, 1, 3):
+        assert not isinstance(batched[c], BaseException), batched[c]
+        for k in alone[c].arrays.keys():
+            torch.testing.assert_close(torch.from_numpy(batched[c].arrays[k].numpy()),
+                                       torch.from_numpy(alone[c].arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
+def test_a_second_order_client_without_samples_fails_alone_in_a_batched_round(algo) -> None:
+    """A client with no samples has no FOOF rows: its own round fails with
+    the FOOF pass's error, and so does its place in a batched round, whose
+    other clients train as they train one at a time (the batched pass over
+    all of them used to raise for the whole cohort)."""
+    cfg = run_cfg(algo, **{"batch-size": 16})
+    model, datas = make_model(), clients([20, 0, 16, 1])
+    alone = []
+    for c, data in enumerate(datas):
+        try:
+            alone.append(new_solver(cfg, model).fit(copy.deepcopy(model), data, config_for(algo, 1),
+                                                    ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train")))
+        except ValueError as err:
+            alone.append(err)
+    jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                      config=config_for(algo, 1), state=ContextState(RecordDict()),
+                      generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, data in enumerate(datas)]
+    batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+    for results in (alone, batched):
+        assert isinstance(results[1], ValueError) and "at least one input row" in str(results[1]), results[1]
+    for c in (0, 2, 3):
+        assert not isinstance(batched[c], BaseException), batched[c]
+        assert batched[c].metrics["local-steps"] == alone[c].metrics["local-steps"]
+        for k in alone[c].arrays.keys():
+            torch.testing.assert_close(torch.from_numpy(batched[c].arrays[k].numpy()),
+                                       torch.from_numpy(alone[c].arrays[k].numpy()), atol=ATOL, rtol=RTOL)

@@ -280,15 +280,34 @@ class FedPMSolver(LocalSolver):
         """:meth:`before_steps` of every member at once: each member's FOOF rows
         drawn from its own generator as before, one batched FOOF pass at the
         members' starting weights (:func:`fedaccel.clients.foof.stacked_foof`)
-        and the damped inverses batched; a member whose matrix has no factor
-        gets :meth:`before_steps`'s error, the others go on."""
+        and the damped inverses batched; a member without FOOF rows (no
+        samples) or whose matrix has no factor gets :meth:`before_steps`'s
+        error, the others go on."""
         layers = self._chain_layers(model, layer_inputs)
         if layers is None:
             return None
-        names = [n for n, _ in model.named_parameters()]
-        weights = {n: torch.stack([m.start[i] for m in members]) for i, n in enumerate(names)}
         for m in members:
             m.solver._x_foof = m.solver._foof_inputs(m.data, m.generator)
+        # a member without rows fails alone (its own FOOF pass's error); the others' pass is batched
+        problems: list[BaseException | None] = [None if m.solver._x_foof.shape[0] else foof.no_input_rows()
+                                                for m in members]
+        for m, problem in zip(members, problems):
+            if problem is not None:
+                m.solver._x_foof = None
+        rest = [k for k, problem in enumerate(problems) if problem is None]
+        if rest:
+            for k, problem in zip(rest, self._stacked_preconditioners(model, [members[k] for k in rest], layers,
+                                                                      layer_inputs)):
+                problems[k] = problem
+        return problems
+
+    def _stacked_preconditioners(self, model: torch.nn.Module, members: list, layers: list[str],
+                                 layer_inputs) -> list[BaseException | None]:
+        """:meth:`cohort_before_steps`'s batched FOOF pass and inverses of
+        ``members``, whose FOOF rows are drawn (none empty); each member's
+        error or None."""
+        names = [n for n, _ in model.named_parameters()]
+        weights = {n: torch.stack([m.start[i] for m in members]) for i, n in enumerate(names)}
         used = foof.stacked_foof(layer_inputs, layers, weights, [m.solver._x_foof for m in members])
         inverses, infos = {}, {}
         for name in layers:

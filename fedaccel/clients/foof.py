@@ -119,7 +119,7 @@ def compute_foof(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> Or
             handle.remove()
         model.train(was_training)
     if x.shape[0] == 0:
-        raise ValueError("a FOOF pass needs at least one input row")
+        raise no_input_rows()
     return OrderedDict((name, sums[name] / counts[name]) for name, _ in layers)
 
 
@@ -158,7 +158,7 @@ def stacked_foof(layer_inputs: Callable[[dict[str, torch.Tensor], torch.Tensor],
         return OrderedDict()
     counts = np.array([int(x.shape[0]) for x in xs])
     if not counts.all():
-        raise ValueError("a FOOF pass needs at least one input row")
+        raise no_input_rows()
     per_client = -(-counts // batch_size)  # chunks of each client
     owner = np.repeat(np.arange(len(xs)), per_client)  # each chunk's client
     position = np.arange(len(owner)) - np.repeat(np.cumsum(per_client) - per_client, per_client)
@@ -280,6 +280,13 @@ def damped_inverse_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, to
     eye = torch.eye(a.shape[-1], dtype=factor.dtype, device=factor.device)
     factor[info != 0] = eye  # no factor: an identity stands in, so the batched call runs
     return torch.cholesky_inverse(factor), info
+
+
+def no_input_rows() -> ValueError:
+    """The error of a FOOF pass over no rows (a client without samples):
+    :func:`compute_foof`'s and :func:`stacked_foof`'s, and a batched
+    cohort's for such a client alone."""
+    return ValueError("a FOOF pass needs at least one input row")
 
 
 def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> ConfigError:

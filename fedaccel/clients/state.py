@@ -130,31 +130,28 @@ def _check_layout(saved: Layout, expected: Layout, name: str) -> None:
             "by a run of another model (with client-state='disk', start with a fresh state-dir)")
 
 
-def read_groups(state: ClientState, name: str, groups: tuple[str, ...], keys: list[str],
-                device: torch.device) -> dict[str, OrderedDict[str, torch.Tensor]] | None:
-    """A solver's saved state as ``{group: {parameter: tensor}}`` (saved by
-    :func:`flat_groups` as ``<group>.<parameter>``), or None if the client has
-    none yet."""
-    saved = state.get(name, device)
-    if saved is None:
-        return None
-    return {g: OrderedDict((k, saved[f"{g}.{k}"]) for k in keys) for g in groups}
-
-
 def groups_or_zeros(state: ClientState, name: str, groups: tuple[str, ...],
                     like: Mapping[str, torch.Tensor]) -> dict[str, OrderedDict[str, torch.Tensor]]:
-    """:func:`read_groups`, or zeros shaped like ``like`` for a client that
-    has not trained yet (SCAFFOLD's c_i, FedDyn's gradient, FedRKMGC's correction)."""
+    """A solver's saved state as ``{group: {parameter: tensor}}`` (saved by
+    :func:`flat_groups` as ``<group>.<parameter>``), or zeros shaped like ``like`` for a client that
+    has not trained yet (SCAFFOLD's c_i, FedDyn's gradient, FedRKMGC's correction).
+
+    Saved tensors that are not ``like``'s (another model's shapes, or its
+    dtype: a float64 run's state in the same state-dir) are a ConfigError,
+    as :meth:`ClientState.get_flat` gives one: that client fails with one
+    line, trained one at a time or batched, instead of training on them
+    (or, batched, promoting the whole cohort's stacks to their dtype)."""
     device = next(iter(like.values())).device
-    found = read_groups(state, name, groups, list(like), device)
-    if found is not None:
-        return found
+    saved = state.get(name, device)
+    if saved is not None:
+        _check_layout(tensor_layout(saved), tensor_layout(flat_groups({g: like for g in groups})), name)
+        return {g: OrderedDict((k, saved[f"{g}.{k}"]) for k in like) for g in groups}
     return {g: OrderedDict((k, torch.zeros_like(v)) for k, v in like.items()) for g in groups}
 
 
 def flat_groups(groups: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """``{group: {parameter: tensor}}`` as the flat ``<group>.<parameter>`` names
-    :meth:`ClientState.put` stores (read back by :func:`read_groups`)."""
+    :meth:`ClientState.put` stores (read back by :func:`groups_or_zeros`)."""
     return {f"{g}.{k}": v for g, tensors in groups.items() for k, v in tensors.items()}
 
 
