@@ -1867,3 +1867,66 @@ def test_a_second_order_client_without_samples_fails_alone_in_a_batched_round(al
         for k in alone[c].arrays.keys():
             torch.testing.assert_close(torch.from_numpy(batched[c].arrays[k].numpy()),
                                        torch.from_numpy(alone[c].arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+
+
+STRAGGLER_LRS, STRAGGLER_EPOCHS = (0.1, 0.05, 0.1), (2, 2, 1)  # client c: lr and epochs of c % 3
+
+
+@pytest.mark.parametrize("algo, changes", [case[1:] for case in BATCHABLE], ids=[case[0] for case in BATCHABLE])
+def test_a_float64_batched_round_with_stragglers_equals_the_per_client_round_tightly(algo: str, changes: dict) -> None:
+    """Every batched algorithm in float64, its clients with different
+    learning rates and epoch counts (stragglers: the trainer batches each
+    (lr, epochs) group apart), two rounds so that round 1's state is read:
+    weights, metrics, extra records and saved state equal the per-client
+    rounds to float64 rounding (1e-12, a million times tighter than the
+    float32 tolerance, which could hide a wrong term of the rule)."""
+    cfg = run_cfg(algo, **{"batch-size": 16, "precision": "float64", **changes})
+    model = make_model().double()
+    datas = [TrainData(x=d.x.double(), y=d.y) for d in clients()]
+    states = {path: [ContextState(RecordDict()) for _ in datas] for path in ("alone", "batched")}
+
+    def config(c: int, server_round: int) -> dict:
+        values = train_config_record(server_round, STRAGGLER_LRS[c % 3], STRAGGLER_EPOCHS[c % 3], EXTRA.get(algo))
+        values["accepted-round"] = server_round - 1
+        return values
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        assert a.dtype == b.dtype == torch.float64, what
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+    for server_round in (1, 2):
+        alone = [new_solver(cfg, model).fit(copy.deepcopy(model), data, config(c, server_round), states["alone"][c],
+                                            seeded_generator(cfg.seed, server_round, c, "train"),
+                                            received_for(algo, model))
+                 for c, data in enumerate(datas)]
+        jobs = [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                          config=config(c, server_round), state=states["batched"][c],
+                          generator=seeded_generator(cfg.seed, server_round, c, "train"),
+                          received=received_for(algo, model))
+                for c, data in enumerate(datas)]
+        batched = fit_cohort(copy.deepcopy(model), jobs, cfg.batch_size)
+        for c, (a, b) in enumerate(zip(alone, batched)):
+            assert not isinstance(b, BaseException), b
+            assert a.metrics["local-steps"] == b.metrics["local-steps"] and list(a.arrays) == list(b.arrays)
+            assert a.metrics["train-loss"] == pytest.approx(b.metrics["train-loss"], rel=1e-12)
+            for k in a.arrays.keys():
+                close(torch.from_numpy(a.arrays[k].numpy()), torch.from_numpy(b.arrays[k].numpy()), f"{c} {k}")
+            assert list(a.extra) == list(b.extra)
+            for name in a.extra:
+                for k in a.extra[name].keys():
+                    x, y = a.extra[name][k].numpy(), b.extra[name][k].numpy()
+                    if x.dtype.kind == "f":
+                        close(torch.from_numpy(x), torch.from_numpy(y), f"{c} {name}.{k}")
+                    else:
+                        assert (x == y).all(), f"{c} {name}.{k}"
+        with torch.no_grad():  # the next round starts from the replies' mean, as a server's would
+            for i, p in enumerate(model.parameters()):
+                mean = torch.stack([torch.from_numpy(list(r.arrays.values())[i].numpy()) for r in alone]).mean(0)
+                p.add_(mean) if algo in STATE_GROUP else p.copy_(mean)
+    group, stateful = STATE_GROUP.get(algo, algo), get_algorithm(algo).solver.state_copies > 0
+    for c, (a, b) in enumerate(zip(states["alone"], states["batched"])):
+        assert a.versions() == b.versions()
+        kept_a, kept_b = a.get(group, torch.device("cpu")), b.get(group, torch.device("cpu"))
+        assert (kept_a is not None) == (kept_b is not None) == stateful
+        for key in kept_a or {}:
+            close(kept_a[key], kept_b[key], f"state {c} {key}")
