@@ -626,7 +626,8 @@ def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) ->
     training, in cohort order, each the next ``batch_size`` samples of that
     client's own ``randperm`` of the epoch (drawn from its generator as the
     per-client loop draws them), offset to where its data starts in the
-    concatenated data; the last batch of an epoch padded (index 0, not real)."""
+    concatenated data; the last batch of an epoch padded (with its own first
+    sample, not real)."""
     sizes, batch = [37, 33, 17, 16, 5, 1], 16  # sorted by step count, as the trainer sorts them
     datas = clients(sizes)
     solver = get_algorithm("fedavg").solver(run_cfg("fedavg"))
@@ -642,8 +643,9 @@ def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) ->
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen).tolist()
             own += [order[i:i + batch] for i in range(0, n, batch)]
-        batches.append([([offset + i for i in b] + [0] * (batch - len(b)), [1.0] * len(b) + [0.0] * (batch - len(b)))
-                        for b in own])
+        # padding: the batch's own first sample, not real
+        batches.append([([offset + i for i in b] + [offset + b[0]] * (batch - len(b)),
+                         [1.0] * len(b) + [0.0] * (batch - len(b))) for b in own])
     for t in range(max(steps, default=0)):
         for c in range(active[t]):
             expected_rows.append(batches[c][t][0])
@@ -1930,3 +1932,21 @@ def test_a_float64_batched_round_with_stragglers_equals_the_per_client_round_tig
         assert (kept_a is not None) == (kept_b is not None) == stateful
         for key in kept_a or {}:
             close(kept_a[key], kept_b[key], f"state {c} {key}")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_sample_of_one_client_stays_out_of_the_others_padded_batches(bad: float) -> None:
+    """An epoch's last batch is padded to the batch size, its padding
+    weighted zero; 0 * NaN is NaN, so a padded slot must read the client's
+    own data: client 0's first sample (where padding used to point) holds a
+    non-finite value, and client 1, whose last batch is padded, trains and
+    reports its loss as it does alone."""
+    cfg = run_cfg("fedavg", **{"batch-size": 16})
+    model, datas = make_model(), clients([40, 20])
+    datas[0].x[0, 0] = bad
+    alone = per_client_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    batched = cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
+    assert all(torch.isfinite(w).all() for w in batched[0][1])
+    assert batched[1][1]["train-loss"] == pytest.approx(alone[1][1]["train-loss"], rel=1e-5)
+    for p, q in zip(alone[0][1], batched[0][1]):
+        torch.testing.assert_close(q, p, atol=ATOL, rtol=RTOL)

@@ -229,7 +229,8 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     ``[K, B]``: step ``t``'s mini-batches are the next ``active[t]`` rows, one
     per active client in cohort order, as indices into the concatenated data
     of all clients (or, given ``data_starts``, into data where each
-    member's samples start at its entry); ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
+    member's samples start at its entry; a padded slot names its row's
+    first sample); ``real`` ``[K, B]`` (1 = a real sample, 0 = padding of an
     epoch's last batch); ``active``; and each client's step count. ``K`` is
     the total number of client-steps, so no row is gathered for a client
     that has left. The permutations are drawn
@@ -259,7 +260,11 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     index = np.empty_like(plan)
     index[start[step] + client] = plan
     real = index >= 0
-    index[~real] = 0
+    # a padded slot reads its own row's first sample (always real): the
+    # padding's zero weight cancels a finite value only, so a slot that read
+    # another client's sample (index 0) let that client's NaN or inf into this
+    # one's gradient and loss (0 * NaN); its own sample is one it trains on anyway
+    index = np.where(real, index, index[:, :1])
     return (torch.from_numpy(index).to(device), torch.from_numpy(real).float().to(device), active.tolist(), steps)
 
 
