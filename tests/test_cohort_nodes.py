@@ -18,7 +18,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from fedaccel.apps.client_app import app as client_app
+from fedaccel.apps.client_app import app as client_app, train_logical_clients
 from fedaccel.checkpoint import record_dict_bytes, record_dict_from_bytes
 from fedaccel.clients.state import ContextState, DiskState, state_run_dir
 from fedaccel.cohort_nodes import (CohortNodes, client_state, keep_client_state, logical_messages,
@@ -396,7 +396,7 @@ def test_a_cohort_node_that_must_batch_and_cannot_says_why(tmp_path):
     envelope.metadata.__dict__["_message_id"] = "env"
     reply = train_logical_clients(envelope, context)
     assert reply.has_error()
-    assert ("node 5 (partition 0): cohort-batching='on' but this run cannot be batched: fedpm.refresh-every=2"
+    assert ("cohort node 5 (slot 0): cohort-batching='on' but this run cannot be batched: fedpm.refresh-every=2"
             in reply.error.reason)
     assert list(context.state.keys()) == ["client-0/earlier"] and context.state["client-0/earlier"] is kept
 
@@ -529,6 +529,24 @@ def test_a_bug_that_fails_a_whole_envelope_is_logged_as_the_cohort_nodes_slot(mo
     assert [r.getMessage() for r in caplog.records] == [f"[fedaccel] cohort node {node} (slot 1) raised"]
     # a client's own message on a node of its own keeps the partition wording
     assert client_errors.node_label(grid.contexts[node], messages[0]) == f"node {node} (partition 1)"
+
+
+def test_a_user_error_that_fails_a_whole_envelope_names_the_cohort_nodes_slot():
+    """A user error of the whole envelope (here: a node with a data-path of
+    its own cannot serve logical clients) is the envelope's error reply,
+    hence every client's; its line names the cohort node and the slot it
+    serves, not "partition <slot>" (which would read as a client's)."""
+    config = fuse(default_run_config(), {"logical-clients": 6, "synthetic.max-samples": 60})
+    context = Context(run_id=1, node_id=77, node_config={"partition-id": 1, "num-partitions": 3,
+                                                         "data-path": "/data/own.npz"},
+                      state=RecordDict(), run_config=config)
+    messages = [Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), logical_node_id(p), "train")
+                for p in (1, 4)]
+    envelope = Message(pack_envelope(messages, 6), 77, "train.cohort")
+    envelope.metadata.__dict__["_message_id"] = "env"
+    reply = train_logical_clients(envelope, context)
+    assert reply.has_error() and reply.error.reason.startswith("cohort node 77 (slot 1): "), reply.error.reason
+    assert "partition 1" not in reply.error.reason
 
 
 def test_the_fast_runner_refuses_to_checkpoint_cohort_nodes(tmp_path):

@@ -341,13 +341,15 @@ _REPORTED: set[str] = set()  # reasons this process has logged (once each at INF
 
 
 def user_error_reply(msg: Message, context: Context, err: BaseException) -> Message:
-    """The error reply for a user error: ``node 123 (partition 4): <cause>``.
+    """The error reply for a user error: ``node 123 (partition 4): <cause>``
+    (for a cohort node's envelope, ``cohort node 123 (slot 1): <cause>``:
+    its ``partition-id`` is the slot it serves, not a client's partition).
 
     Flower's code for an exception in the ClientApp, so the server treats it as
     it treats a raised exception, but with a reason the user can act on and no
     traceback. Also logged on this node (at INFO once per distinct reason).
     """
-    reason = f"{node_label(context)}: {one_line(str(err))}"
+    reason = f"{node_label(context, msg)}: {one_line(str(err))}"
     log(DEBUG if reason in _REPORTED else INFO, "[fedaccel] %s failed: %s", msg.metadata.message_type, reason)
     _REPORTED.add(reason)
     return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
