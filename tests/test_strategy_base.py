@@ -301,6 +301,35 @@ def test_replies_that_are_rows_of_a_stack_are_checked_and_averaged_as_the_plain_
     assert aggregate(stacked=True) == plain
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "scaffold"])
+def test_two_replies_from_one_client_in_a_round_are_both_rejected(algo, caplog):
+    """A strategy that sent one client two messages gets two replies from it;
+    the client keeps the state of the one it trained last, which the server
+    cannot tell apart, so neither is applied (its accepted round stays, the
+    client rolls back): SCAFFOLD's ``c`` does not count its ``dc`` twice."""
+    strategy = build(algo)
+    msgs = configure(strategy, 1, arrays(w=[0.0]))
+    records = {"scaffold.dc": arrays(w=[1.0])} if algo == "scaffold" else {}
+
+    def answer(m: Message, value: float) -> Message:
+        content = RecordDict({"arrays": arrays(w=[value]), "metrics": MetricRecord({"num-examples": 1}), **records})
+        return Message(content, reply_to=m)
+
+    twice = Message(msgs[-1].content, msgs[-1].metadata.dst_node_id, msgs[-1].metadata.message_type)
+    twice.metadata.__dict__["_message_id"] = "second"
+    replies = [answer(m, 2.0) for m in msgs] + [answer(twice, 9.0)]
+    new, _ = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(new["w"].numpy(), [2.0])
+    assert strategy.rounds[1].rejected == 2 and strategy.rounds[1].replies == len(msgs) - 1
+    assert "2 replies from this client in one round" in caplog.text
+    pid = strategy.federation.partition_of_node[msgs[-1].metadata.dst_node_id]
+    assert strategy.accepted_round.get(pid, 0) == 0
+    assert all(strategy.accepted_round[strategy.federation.partition_of_node[m.metadata.dst_node_id]] == 1
+               for m in msgs[:-1])
+    if algo == "scaffold":  # c = sum of the applied dc / N
+        np.testing.assert_allclose(strategy.c["w"], [(len(msgs) - 1) / strategy.federation.num_clients])
+
+
 def test_zero_examples_reply_is_rejected():
     strategy = build("fedavg")
     msgs = configure(strategy, 1, arrays(w=[0.0]))

@@ -48,6 +48,7 @@ grid whose ``get_node_ids()`` returns only the chosen nodes, with
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -327,8 +328,15 @@ class FedAccelStrategy:
         replies = self._ordered(replies)
         ok = []
         log_ = self.rounds.setdefault(server_round, RoundLog())
+        # a client that replied twice in one round (a strategy that sent it two
+        # messages) keeps only the state of the one it trained last, which the
+        # server cannot tell apart: neither reply is applied, so the client rolls
+        # back to the state the server counts on
+        sources = collections.Counter(m.metadata.src_node_id for m in replies if not m.has_error())
         for m in replies:
-            problem = None if m.has_error() else self.reply_problem(m)
+            problem = None if m.has_error() else (
+                f"{sources[m.metadata.src_node_id]} replies from this client in one round; none is applied"
+                if sources[m.metadata.src_node_id] > 1 else self.reply_problem(m))
             if problem is not None:
                 log(WARNING, "round %s: rejected the reply of node %s: %s",
                     server_round, m.metadata.src_node_id, problem)
