@@ -52,6 +52,14 @@ BATCHABLE = [
     ("gcfed-vectors-mean", "gcfed", {"weight-decay": 1e-2, "gc.vectors": "mean", "gc.weight-decay": "raw"}),
     ("local-gc-and-clip", "scaffold", {"momentum": 0.9, "weight-decay": 1e-2, "gc.mode": "local",
                                        "clip-norm": 0.3}),
+    # clipping after each algorithm's own correction (the clip acts on the step's gradient)
+    ("clip-feddyn", "feddyn", {"feddyn.alpha": 0.1, "momentum": 0.9, "clip-norm": 0.3}),
+    ("clip-fedrkmgc", "fedrkmgc", {"clip-norm": 0.3}),
+    ("clip-fedcdr", "fedcdr", {"fedcdr.eta": 0.5, "clip-norm": 0.3}),
+    ("clip-fednova", "fednova", {"momentum": 0.9, "clip-norm": 0.3}),
+    # GC on part of the tensors: GC-Fed's hybrid split and local GC alone on the first half
+    ("gcfed-hybrid-half", "gcfed", {"gc.mode": "hybrid", "gc.lambda": 0.5, "momentum": 0.9}),
+    ("local-only-gc-half", "fedavg", {"gc.mode": "local-only", "gc.lambda": 0.5, "weight-decay": 1e-2}),
     # FOOF: each client's own preconditioner, solved batched (clip-norm 'auto' = 1.0)
     ("fedpm", "fedpm", {"momentum": 0.5, "weight-decay": 1e-3}),
     ("fedpm-upload-end-foof-samples", "fedpm", {"fedpm.upload": "end", "fedpm.foof-samples": 20}),
