@@ -1622,6 +1622,39 @@ def test_a_feddc_subclass_with_its_own_saved_state_ends_client_by_client(store) 
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])
+@pytest.mark.parametrize("variant", ["extra-group", "other-order"])
+def test_a_subclass_that_saves_more_or_in_another_order_reads_its_state_back(variant, store) -> None:
+    """The layout check reads what the solver reads: a ``saved_after_round``
+    that also stores a group it never reads back, or its groups in another
+    order than ``saved_groups``, is this solver's own business, not
+    "another model's state" (rounds 2 and 3 read round 1's and 2's state,
+    alone and batched, and agree)."""
+    from collections import OrderedDict
+
+    from fedaccel.clients.scaffold import FedDCSolver
+    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
+
+    class SavesMore(FedDCSolver):
+        def saved_after_round(self, model, new_c):
+            saved = super().saved_after_round(model, new_c)
+            if variant == "extra-group":  # a diagnostic never read back
+                return {**saved, "last": OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters())}
+            return {"h": saved["h"], "c": saved["c"]}
+
+    cfg = run_cfg("feddc", **{"batch-size": 16, "feddc.alpha": 0.3})
+    model, datas = make_model(), clients()
+    rows = StackedClientStates(len(datas))
+    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
+    for alone, batched, _ in alone_and_batched(SavesMore, cfg, model, datas, states, received_for("feddc", model),
+                                               rounds=(1, 2, 3)):
+        for want, got in zip(alone, batched):
+            assert not isinstance(want, BaseException) and not isinstance(got, BaseException), (want, got)
+            for k in want.arrays.keys():
+                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
+                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("store", ["context", "stacked"])
 def test_a_client_whose_douglas_rachford_state_is_damaged_fails_alone_in_a_batched_round(store) -> None:
     """A client whose saved state cannot be read gets its own error reply, as
     in its per-client round; the others of the cohort train and reply. In a
@@ -1942,16 +1975,28 @@ def test_a_float64_batched_round_with_stragglers_equals_the_per_client_round_tig
             close(kept_a[key], kept_b[key], f"state {c} {key}")
 
 
+@pytest.mark.parametrize("data", ["concatenated", "pooled", "gathered-each-step"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_sample_of_one_client_stays_out_of_the_others_padded_batches(bad: float) -> None:
+def test_a_non_finite_sample_of_one_client_stays_out_of_the_others_padded_batches(bad: float, data: str,
+                                                                                   monkeypatch) -> None:
     """An epoch's last batch is padded to the batch size, its padding
     weighted zero; 0 * NaN is NaN, so a padded slot must read the client's
     own data: client 0's first sample (where padding used to point) holds a
     non-finite value, and client 1, whose last batch is padded, trains and
-    reports its loss as it does alone."""
+    reports its loss as it does alone. The same with the clients' rows of
+    one sample pool (the fast runner's data, where row 0 belongs to a
+    client outside the cohort) and with each step's batch gathered on its
+    own."""
     cfg = run_cfg("fedavg", **{"batch-size": 16})
-    model, datas = make_model(), clients([40, 20])
-    datas[0].x[0, 0] = bad
+    model = make_model()
+    if data == "pooled":  # pool rows 0..2: a client not in the round, its row 0 the bad one
+        datas = pooled(clients([40, 20]), lead=3)
+        datas[0].pool.x[0, 0] = bad
+    else:
+        datas = clients([40, 20])
+        datas[0].x[0, 0] = bad
+    if data == "gathered-each-step":
+        monkeypatch.setattr(cohort_module, "GATHER_ONCE_BYTES", 0)
     alone = per_client_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
     batched = cohort_round(cfg, model, datas, [ContextState(RecordDict()) for _ in datas], 1)
     assert all(torch.isfinite(w).all() for w in batched[0][1])

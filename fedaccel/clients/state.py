@@ -136,15 +136,19 @@ def groups_or_zeros(state: ClientState, name: str, groups: tuple[str, ...],
     :func:`flat_groups` as ``<group>.<parameter>``), or zeros shaped like ``like`` for a client that
     has not trained yet (SCAFFOLD's c_i, FedDyn's gradient, FedRKMGC's correction).
 
-    Saved tensors that are not ``like``'s (another model's shapes, or its
-    dtype: a float64 run's state in the same state-dir) are a ConfigError,
-    as :meth:`ClientState.get_flat` gives one: that client fails with one
-    line, trained one at a time or batched, instead of training on them
-    (or, batched, promoting the whole cohort's stacks to their dtype)."""
+    The tensors read that are missing or not ``like``'s (another model's
+    shapes, or its dtype: a float64 run's state in the same state-dir) are
+    a ConfigError, as :meth:`ClientState.get_flat` gives one: that client
+    fails with one line, trained one at a time or batched, instead of
+    training on them (or, batched, promoting the whole cohort's stacks to
+    their dtype). What is saved beside them, and in which order, is the
+    solver's own (a ``saved_after_round`` may store more)."""
     device = next(iter(like.values())).device
     saved = state.get(name, device)
     if saved is not None:
-        _check_layout(tensor_layout(saved), tensor_layout(flat_groups({g: like for g in groups})), name)
+        expected = tensor_layout(flat_groups({g: like for g in groups}))
+        have = {key: (dtype, shape) for key, dtype, shape in tensor_layout(saved)}
+        _check_layout(tuple((key, *have.get(key, ("missing", ()))) for key, _, _ in expected), expected, name)
         return {g: OrderedDict((k, saved[f"{g}.{k}"]) for k in like) for g in groups}
     return {g: OrderedDict((k, torch.zeros_like(v)) for k, v in like.items()) for g in groups}
 
