@@ -524,7 +524,7 @@ def mean_of_records(records: Sequence[Mapping[str, Array | np.ndarray]],
             mean = _sum_of_rows(picked, np.dtype(dtype) if dtype is not None else picked[0][0].host().dtype, scales)
             means[key] = mean[()] if mean.ndim == 0 else mean  # a 0-d mean as the loop's: a NumPy scalar
         return means
-    on_device = _mean_on_device(records, scales, dtype) if found is not None else None
+    on_device = _mean_on_device(records, scales, dtype, found) if found is not None else None
     if on_device is not None:
         return on_device
     acc: dict[str, np.ndarray] = {}
@@ -690,15 +690,19 @@ _DEVICE_MEAN_DTYPES = tuple(_ACCUMULATE_ON_DEVICE.values())  # IEEE products and
 
 
 def _mean_on_device(records: Sequence[Mapping[str, Array | np.ndarray]], scales: list[float],
-                    dtype: type | np.dtype | None) -> dict[str, np.ndarray] | None:
+                    dtype: type | np.dtype | None,
+                    found: tuple[dict[str, list[tuple[StackedRows, int]]], list[StackedRows]] | None = None
+                    ) -> dict[str, np.ndarray] | None:
     """:func:`mean_of_records` on the device of the stacks the records' arrays
     are rows of (:class:`StackedRows` off the host: a GPU), bit for bit the
     NumPy loop's result: ``acc = v_0 * s_0; acc += v_i * s_i`` in record
     order, each scale rounded to the accumulating dtype as NumPy rounds a
     Python float, a product and a sum per client in IEEE arithmetic. Only
     the mean crosses to the host. None (the NumPy loop) unless the records
-    are rows of stacks (:func:`_stack_rows`) that all live on one device."""
-    found = _stack_rows(records)
+    are rows of stacks (:func:`_stack_rows`) that all live on one device.
+    ``found``: :func:`_stack_rows` of the records, when the caller has it
+    (:func:`mean_of_records` walks them once)."""
+    found = _stack_rows(records) if found is None else found
     accumulate_in = None if dtype is None else _ACCUMULATE_ON_DEVICE.get(np.dtype(dtype))
     if found is None or (dtype is not None and accumulate_in is None):
         return None

@@ -309,7 +309,7 @@ def test_the_device_mean_is_not_numpys_sum_in_another_order(stacks_on_device, mo
     stacked, plain = _stacked_records(generator, 37)
     weights = [float(n) for n in torch.randint(1, 500, (37,), generator=generator)]
 
-    def summed_at_once(records, scales, dtype):
+    def summed_at_once(records, scales, dtype, found=None):
         if type(records[0]["w"]) is not DeferredArray:
             return None
         columns = {k: torch.stack([r[k]._rows.tensor[r[k]._row] for r in records]) for k in records[0]}
