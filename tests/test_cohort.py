@@ -129,6 +129,14 @@ def cohort_round(cfg, model, datas, states, server_round):
     return weights, [r.metrics for r in results], [r.extra for r in results]
 
 
+def assert_same_arrays(got, want) -> None:
+    """A batched client's uploaded weights equal its reply alone, key by key,
+    to the float32 tolerance."""
+    for k in want.arrays.keys():
+        torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
+                                   torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+
+
 def assert_same_round(a, b) -> None:
     (wa, ma, ea), (wb, mb, eb) = a, b
     for c, (x, y) in enumerate(zip(wa, wb)):
@@ -1252,9 +1260,7 @@ def test_a_scaffold_client_sent_a_control_variate_of_another_model_fails_alone(c
                                         received[c]) for c in good_clients]
     for c, want in zip(good_clients, alone):
         assert list(results[c].extra) == list(want.extra) == ["scaffold.dc"]
-        for k in want.arrays.keys():
-            torch.testing.assert_close(torch.from_numpy(results[c].arrays[k].numpy()),
-                                       torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        assert_same_arrays(results[c], want)
         for k in want.extra["scaffold.dc"].keys():
             torch.testing.assert_close(torch.from_numpy(results[c].extra["scaffold.dc"][k].numpy()),
                                        torch.from_numpy(want.extra["scaffold.dc"][k].numpy()), atol=ATOL, rtol=RTOL)
@@ -1380,9 +1386,7 @@ def test_feddyn_and_fedrkmgc_stacked_state_trains_each_client_as_alone(algo, cha
             want = new_solver(cfg, model).fit(copy.deepcopy(models[c]), datas[c],
                                               config_for(algo, server_round, lrs[c]), own[c],
                                               seeded_generator(cfg.seed, server_round, c, "train"), {})
-            for k in want.arrays.keys():
-                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
-                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+            assert_same_arrays(got, want)
         for c in range(len(datas)):  # the saved state: the same records (client 2 opened round 2 alone)
             if server_round == 1 or c != 2:
                 assert set(store.record_dict(c).keys()) == set(own[c].record.keys()), (server_round, c)
@@ -1439,9 +1443,7 @@ def test_a_feddyn_or_fedrkmgc_subclass_reading_its_state_before_end_round_keeps_
                                                   [StackedRowState(store, c) for c in range(len(datas))], {}):
         assert not any(isinstance(b, BaseException) for b in batched)
         for want, got in zip(alone, batched):
-            for k in want.arrays.keys():
-                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
-                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+            assert_same_arrays(got, want)
         assert all(j.solver.norm >= 0 for j in jobs)
     name = f"own-{algo}" if declares_state_name else algo  # the state is kept under the class's own name
     assert {key.split(".")[2] for key in store.record_dict(0).keys() if key.count(".") >= 2} == {name}
@@ -1496,9 +1498,7 @@ def test_a_new_solver_with_saved_state_is_batched_on_the_stacked_store_by_declar
                                                   rounds=(1, 2, 3)):
         assert not any(isinstance(b, BaseException) for b in batched)
         for want, got in zip(alone, batched):
-            for k in want.arrays.keys():
-                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
-                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+            assert_same_arrays(got, want)
         assert all(j.solver._rows_of is None for j in jobs)  # released
     assert gathers == ["drift-pull"] * 3 and handed and all(h is not None for h in handed)
     # the replies of rounds 2 and 3 depend on the saved drift (each client's own, not zero), so their
@@ -1589,54 +1589,26 @@ def test_a_scaffold_subclass_with_its_own_control_variate_rule_is_not_batched_pa
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])
-def test_a_feddc_subclass_with_its_own_saved_state_ends_client_by_client(store) -> None:
+@pytest.mark.parametrize("variant", ["double-drift", "extra-group", "other-order"])
+def test_a_feddc_subclass_with_its_own_saved_state_ends_client_by_client(variant, store) -> None:
     """A FedDC subclass whose ``saved_after_round`` stores another drift
-    (twice FedDC's step): the batched end forms no state for it (FedDC's
-    batched twin would store FedDC's drift), so its clients end one at a
-    time and store and reply what they do alone, round after round."""
+    (twice FedDC's step), also a group it never reads back, or its groups
+    in another order than ``saved_groups``: the batched end forms no state
+    for it (FedDC's batched twin would store FedDC's), so its clients end
+    one at a time and store and reply what they do alone, round after
+    round; reading the state back checks what the solver reads, so the
+    extra group or the order is its own business, not "another model's
+    state" (rounds 2 and 3 read round 1's and 2's state)."""
     from collections import OrderedDict
 
     from fedaccel.clients.scaffold import FedDCSolver
     from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
 
-    class DoubleDrift(FedDCSolver):
+    class OwnSavedState(FedDCSolver):
         def saved_after_round(self, model, new_c):
             saved = super().saved_after_round(model, new_c)
-            return {"c": saved["c"], "h": OrderedDict((k, 2 * v - self.h_i[k]) for k, v in saved["h"].items())}
-
-    cfg = run_cfg("feddc", **{"batch-size": 16, "feddc.alpha": 0.3})
-    model, datas = make_model(), clients()
-    rows = StackedClientStates(len(datas))
-    states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
-    # rounds 2 and 3 train from the stored drift: a drift stored the wrong way changes their replies
-    for alone, batched, _ in alone_and_batched(DoubleDrift, cfg, model, datas, states, received_for("feddc", model),
-                                               rounds=(1, 2, 3)):
-        for want, got in zip(alone, batched):
-            for k in want.extra["scaffold.dc"].keys():
-                torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
-                                           torch.from_numpy(want.extra["scaffold.dc"][k].numpy()),
-                                           atol=ATOL, rtol=RTOL)
-            for k in want.arrays.keys():
-                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
-                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.parametrize("store", ["context", "stacked"])
-@pytest.mark.parametrize("variant", ["extra-group", "other-order"])
-def test_a_subclass_that_saves_more_or_in_another_order_reads_its_state_back(variant, store) -> None:
-    """The layout check reads what the solver reads: a ``saved_after_round``
-    that also stores a group it never reads back, or its groups in another
-    order than ``saved_groups``, is this solver's own business, not
-    "another model's state" (rounds 2 and 3 read round 1's and 2's state,
-    alone and batched, and agree)."""
-    from collections import OrderedDict
-
-    from fedaccel.clients.scaffold import FedDCSolver
-    from fedaccel.clients.stacked_state import StackedClientStates, StackedRowState
-
-    class SavesMore(FedDCSolver):
-        def saved_after_round(self, model, new_c):
-            saved = super().saved_after_round(model, new_c)
+            if variant == "double-drift":
+                return {"c": saved["c"], "h": OrderedDict((k, 2 * v - self.h_i[k]) for k, v in saved["h"].items())}
             if variant == "extra-group":  # a diagnostic never read back
                 return {**saved, "last": OrderedDict((k, p.detach().clone()) for k, p in model.named_parameters())}
             return {"h": saved["h"], "c": saved["c"]}
@@ -1645,13 +1617,16 @@ def test_a_subclass_that_saves_more_or_in_another_order_reads_its_state_back(var
     model, datas = make_model(), clients()
     rows = StackedClientStates(len(datas))
     states = [ContextState(RecordDict()) if store == "context" else StackedRowState(rows, c) for c in range(len(datas))]
-    for alone, batched, _ in alone_and_batched(SavesMore, cfg, model, datas, states, received_for("feddc", model),
-                                               rounds=(1, 2, 3)):
+    # rounds 2 and 3 train from the stored drift: a drift stored the wrong way changes their replies
+    for alone, batched, _ in alone_and_batched(OwnSavedState, cfg, model, datas, states,
+                                               received_for("feddc", model), rounds=(1, 2, 3)):
         for want, got in zip(alone, batched):
             assert not isinstance(want, BaseException) and not isinstance(got, BaseException), (want, got)
-            for k in want.arrays.keys():
-                torch.testing.assert_close(torch.from_numpy(got.arrays[k].numpy()),
-                                           torch.from_numpy(want.arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+            for k in want.extra["scaffold.dc"].keys():
+                torch.testing.assert_close(torch.from_numpy(got.extra["scaffold.dc"][k].numpy()),
+                                           torch.from_numpy(want.extra["scaffold.dc"][k].numpy()),
+                                           atol=ATOL, rtol=RTOL)
+            assert_same_arrays(got, want)
 
 
 @pytest.mark.parametrize("store", ["context", "stacked"])
@@ -1877,9 +1852,7 @@ def test_a_client_whose_saved_state_is_another_models_fails_alone_on_both_paths(
         assert isinstance(results[2], ConfigError) and "not this model's" in str(results[2]), results[2]
     for c in (0, 1, 3):
         assert not isinstance(batched[c], BaseException), batched[c]
-        for k in alone[c].arrays.keys():
-            torch.testing.assert_close(torch.from_numpy(batched[c].arrays[k].numpy()),
-                                       torch.from_numpy(alone[c].arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        assert_same_arrays(batched[c], alone[c])
 
 
 @pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
@@ -1907,9 +1880,7 @@ def test_a_second_order_client_without_samples_fails_alone_in_a_batched_round(al
     for c in (0, 2, 3):
         assert not isinstance(batched[c], BaseException), batched[c]
         assert batched[c].metrics["local-steps"] == alone[c].metrics["local-steps"]
-        for k in alone[c].arrays.keys():
-            torch.testing.assert_close(torch.from_numpy(batched[c].arrays[k].numpy()),
-                                       torch.from_numpy(alone[c].arrays[k].numpy()), atol=ATOL, rtol=RTOL)
+        assert_same_arrays(batched[c], alone[c])
 
 
 STRAGGLER_LRS, STRAGGLER_EPOCHS = (0.1, 0.05, 0.1), (2, 2, 1)  # client c: lr and epochs of c % 3
