@@ -1163,8 +1163,8 @@ def test_a_foof_pass_without_rows_is_refused_by_both_passes():
     from fedaccel.models import build_model
 
     model = build_model("mlp", (6,), 3)
-    with pytest.raises(ValueError, match="at least one input row"):
+    with pytest.raises(ConfigError, match="at least one input row"):
         foof.compute_foof(model, torch.zeros(0, 6))
     weights = {n: p.detach()[None] for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="at least one input row"):
+    with pytest.raises(ConfigError, match="at least one input row"):
         foof.stacked_foof(model.batched_layer_inputs, ["fc1", "fc"], weights, [torch.zeros(0, 6)])

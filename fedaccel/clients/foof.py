@@ -282,11 +282,15 @@ def damped_inverse_ex(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, to
     return torch.cholesky_inverse(factor), info
 
 
-def no_input_rows() -> ValueError:
+def no_input_rows() -> ConfigError:
     """The error of a FOOF pass over no rows (a client without samples):
     :func:`compute_foof`'s and :func:`stacked_foof`'s, and a batched
-    cohort's for such a client alone."""
-    return ValueError("a FOOF pass needs at least one input row")
+    cohort's for such a client alone. A user error (that client's one-line
+    error reply, batched or not, as :func:`not_positive_definite`): the
+    data pipeline gives every client a sample, so only data of a user's
+    own reaches it."""
+    return ConfigError("a client without training samples has no rows for its FOOF preconditioner (a FOOF pass "
+                       "needs at least one input row); give every client at least one sample")
 
 
 def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> ConfigError:
