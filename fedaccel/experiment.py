@@ -334,11 +334,11 @@ def refuse_unbatchable(cfg: RunConfig) -> None:
     ``--check`` too, and the server of a ``flwr run`` before it asks its
     nodes anything), for the reasons the trainer itself would give
     (:func:`fedaccel.clients.cohort.fallback_reason`: the algorithm's local
-    solver, data augmentation, a model with buffers or dropout), read from
+    solver, a model with buffers or dropout), read from
     the config and the model it names, built on the CPU without data."""
     if cfg.cohort_batching != "on":
         return
-    shape, classes, augment = DATASET_SPECS.get(cfg.dataset, (None, 0, False))
+    shape, classes, _ = DATASET_SPECS.get(cfg.dataset, (None, 0, False))
     model = torch.nn.Module()  # a model this cannot build is refused later, by the run, as before
     if shape is not None:
         try:
@@ -346,7 +346,7 @@ def refuse_unbatchable(cfg: RunConfig) -> None:
                 model = build_model(model_name(cfg), tuple(shape), classes)
         except Exception:  # noqa: BLE001 - only what the run itself would refuse
             pass
-    reason = fallback_reason(get_algorithm(cfg.algo).solver(cfg), cfg, model, augment)
+    reason = fallback_reason(get_algorithm(cfg.algo).solver(cfg), cfg, model)
     if reason:
         raise unbatchable_error(reason)
 

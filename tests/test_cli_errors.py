@@ -270,8 +270,7 @@ def test_a_run_whose_clients_all_fail_is_exit_4(tmp_path, capsys, monkeypatch, b
 
 @pytest.mark.parametrize("args,why", [
     (["algo='fedpm'", "fedpm.mode='exact'"], "fedpm.mode='exact' takes full-batch Newton steps per client"),
-    (["algo='fedpm'", "fedpm.refresh-every=1"], "fedpm.refresh-every=1 recomputes each client's FOOF matrix"),
-    (["dataset='cifar10'"], "data augmentation draws random crops")])
+    (["algo='fedpm'", "fedpm.refresh-every=1"], "fedpm.refresh-every=1 recomputes each client's FOOF matrix")])
 def test_check_refuses_cohort_batching_on_for_a_run_that_cannot_be_batched(tmp_path, capsys, args, why):
     """``--check`` gives the line the run itself would (and the run gives it
     before any folder or data); the server of a flwr run before it asks

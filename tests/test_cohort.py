@@ -167,7 +167,7 @@ def test_every_local_solver_the_trainer_batches_has_an_equivalence_case() -> Non
     for name in algorithm_names():
         cfg = run_cfg(name)
         solver = get_algorithm(name).solver
-        if fallback_reason(solver(cfg), cfg, model, augment=False) is None and solver not in covered:
+        if fallback_reason(solver(cfg), cfg, model) is None and solver not in covered:
             missing.append(f"{name} ({solver.__name__})")
     assert not missing, f"batched, with no case in BATCHABLE: {missing}"
 
@@ -177,7 +177,7 @@ def test_a_batched_round_equals_the_per_client_round(algo: str, changes: dict) -
     """Two rounds, so state written in round 1 is read in round 2."""
     cfg = run_cfg(algo, **{"batch-size": 16, **changes})
     model, datas = make_model(), clients()
-    assert fallback_reason(get_algorithm(algo).solver(cfg), cfg, model, augment=False) is None
+    assert fallback_reason(get_algorithm(algo).solver(cfg), cfg, model) is None
     states_a = [ContextState(RecordDict()) for _ in datas]
     states_b = [ContextState(RecordDict()) for _ in datas]
     for server_round in (1, 2):
@@ -469,16 +469,15 @@ def test_steps_and_losses_follow_each_clients_own_size() -> None:
 ])
 def test_what_cannot_be_batched_says_why(algo, changes, words) -> None:
     cfg = run_cfg(algo, **changes)
-    reason = fallback_reason(get_algorithm(algo).solver(cfg), cfg, make_model(), augment=False)
+    reason = fallback_reason(get_algorithm(algo).solver(cfg), cfg, make_model())
     assert reason and words in reason
 
 
-def test_augmentation_and_dropout_fall_back() -> None:
+def test_dropout_falls_back() -> None:
     cfg = run_cfg("fedavg")
     solver = LocalSolver(cfg)
-    assert "augmentation" in fallback_reason(solver, cfg, make_model(), augment=True)
     dropout = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Dropout(0.5))
-    assert "dropout" in fallback_reason(solver, cfg, dropout, augment=False)
+    assert "dropout" in fallback_reason(solver, cfg, dropout)
 
 
 @pytest.mark.parametrize("algo, changes", [("fedprox", {}), ("fedpm", {"fedpm.upload": "end"})])
@@ -648,7 +647,8 @@ def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) ->
     datas = clients(sizes)
     solver = get_algorithm("fedavg").solver(run_cfg("fedavg"))
     members = [CohortMember(solver, d, torch.Generator().manual_seed(10 + c), []) for c, d in enumerate(datas)]
-    rows, real, active, steps = cohort_module._batch_plan(members, epochs, batch, torch.device("cpu"))
+    rows, real, active, steps, crops = cohort_module._batch_plan(members, epochs, batch, torch.device("cpu"))
+    assert crops is None  # no member's data is augmented
     assert steps == [epochs * -(-n // batch) for n in sizes]
     assert active == [sum(s > t for s in steps) for t in range(max(steps))]
     expected_rows, expected_real = [], []
@@ -668,6 +668,98 @@ def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) ->
             expected_real.append(batches[c][t][1])
     assert rows.tolist() == expected_rows and real.tolist() == expected_real
     assert rows.shape == (sum(steps), batch) and real.shape == (sum(steps), batch)
+
+
+def image_clients(sizes=SIZES, augment=True, shape=(3, 8, 8)) -> list[TrainData]:
+    """``clients`` of CIFAR-like images (C, H, W), augmented as CIFAR's are."""
+    return [TrainData(x=d.x, y=d.y, augment=augment) for d in clients(sizes, shape=shape)]
+
+
+def test_the_batch_plan_draws_each_clients_crops_in_its_own_loops_order() -> None:
+    """With augmented data, ``_batch_plan`` also draws every sample's crop
+    and flip from its client's generator, in the per-client loop's order
+    (an epoch's ``randperm``, then one ``crop_flip_draws`` per batch of it),
+    laid out as the rows; a client without augmentation, and every padded
+    slot, gets the crop that leaves the image as it is; each generator is
+    left where the per-client loop leaves it."""
+    from fedaccel.data.augment import PAD, crop_flip_draws
+
+    sizes, batch, epochs = [37, 33, 17, 5, 1], 16, 2
+    datas = image_clients(sizes)
+    datas[2] = TrainData(x=datas[2].x, y=datas[2].y, augment=False)  # one client's data is not augmented
+    solver = get_algorithm("fedavg").solver(run_cfg("fedavg"))
+    members = [CohortMember(solver, d, torch.Generator().manual_seed(10 + c), []) for c, d in enumerate(datas)]
+    rows, real, active, steps, (dy, dx, flip) = cohort_module._batch_plan(members, epochs, batch,
+                                                                          torch.device("cpu"))
+    expected = []
+    for c, (n, data) in enumerate(zip(sizes, datas)):
+        gen, own = torch.Generator().manual_seed(10 + c), []
+        for _ in range(epochs):
+            torch.randperm(n, generator=gen)
+            for begin in range(0, n, batch):
+                b = min(batch, n - begin)
+                if data.augment:
+                    y, x, f = crop_flip_draws(b, gen)
+                    y, x, f = y.tolist(), x.tolist(), f.tolist()
+                else:
+                    y, x, f = [PAD] * b, [PAD] * b, [False] * b
+                pad = batch - b
+                own.append((y + [PAD] * pad, x + [PAD] * pad, f + [False] * pad))
+        expected.append(own)
+        # the member's generator goes on as this one does
+        assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=members[c].generator))
+    for t in range(max(steps)):
+        for c in range(active[t]):
+            row = sum(active[:t]) + c
+            assert (dy[row].tolist(), dx[row].tolist(), flip[row].tolist()) == expected[c][t], (t, c)
+    assert dy.shape == dx.shape == flip.shape == rows.shape and flip.dtype == torch.bool
+
+
+@pytest.mark.parametrize("algo, name, changes", [
+    ("fedavg", "mlp", {"momentum": 0.9}), ("scaffold", "mlp", {}), ("fedcdr", "mlp", {}),
+    ("fedpm", "mlp", {"fedpm.upload": "end"}), ("fedprox", "cnn-small", {})])
+def test_an_augmented_round_equals_the_per_client_round(algo: str, name: str, changes: dict) -> None:
+    """CIFAR's augmentation batched: each client's random crops and flips
+    drawn as its own loop draws them, so two batched rounds (state read in
+    the second) equal the per-client rounds to float32 rounding, ragged
+    sizes, the MLP's written-out pass and a CNN through ``vmap`` included;
+    and the crops are applied (the same rounds without augmentation differ)."""
+    cfg = run_cfg(algo, **{"batch-size": 16, **changes})
+    model = make_model(name=name, shape=(3, 8, 8))
+    datas, plain = image_clients(), image_clients(augment=False)
+    assert fallback_reason(get_algorithm(algo).solver(cfg), cfg, model) is None
+    states = [[ContextState(RecordDict()) for _ in datas] for _ in range(3)]
+    for server_round in (1, 2):
+        alone = per_client_round(cfg, model, datas, states[0], server_round)
+        batched = cohort_round(cfg, model, datas, states[1], server_round)
+        assert_same_round(batched, alone)
+        unaugmented = cohort_round(cfg, model, plain, states[2], server_round)
+        assert not torch.allclose(unaugmented[0][0][0], alone[0][0][0], atol=1e-4)
+
+
+@pytest.mark.slow  # two runs of 2 rounds on CIFAR-10 files: 5 s
+def test_a_cifar_run_batched_equals_it_run_one_client_after_another(tmp_path, capsys) -> None:
+    """The fast runner on CIFAR-10 (its real file format, written here) with
+    augmentation: ``cohort-batching='auto'`` batches the MLP's clients (and
+    says so), and its final model equals the run with
+    ``cohort-batching='off'`` to float32 rounding."""
+    import numpy as np
+
+    from fedaccel.local_run import default_run_config, fuse, run_local
+    from test_data import make_cifar10
+
+    make_cifar10(tmp_path / "data", per_batch=40)
+    base = {"algo": "scaffold", "dataset": "cifar10", "model": "mlp", "data-dir": str(tmp_path / "data"),
+            "num-server-rounds": 2, "clients-per-round": 4, "local-epochs": 2, "batch-size": 8,
+            "results-dir": str(tmp_path / "runs"), "device": "cpu"}
+    models = {}
+    for batching in ("auto", "off"):
+        folder = run_local(fuse(default_run_config(), {**base, "cohort-batching": batching,
+                                                       "run-name": batching}), num_clients=6)
+        models[batching] = dict(np.load(folder / "final_model.npz"))
+    assert "each round's clients train as one batched model (cohort-batching)" in capsys.readouterr().err
+    for key, value in models["off"].items():
+        np.testing.assert_allclose(models["auto"][key], value, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("settings", [{"momentum": 0.0}, {"momentum": 0.9, "weight_decay": 1e-2},

@@ -163,8 +163,8 @@ def cli_error(capsys, *tokens: str) -> str:
     ({"num-server-rounds": "ten"}, "num-server-rounds", ["num-server-rounds=ten"]),
     ({"logical-clients": "8", "clients-per-round": "30"}, "clients-per-round",
      ["logical-clients=8", "clients-per-round=30"]),
-    ({"cohort-batching": "on", "dataset": "cifar10"}, "cohort-batching",
-     ["cohort-batching='on'", "dataset='cifar10'", "--check"]),
+    ({"cohort-batching": "on", "algo": "fedpm", "fedpm.refresh-every": "1"}, "cohort-batching",
+     ["cohort-batching='on'", "algo='fedpm'", "fedpm.refresh-every=1", "--check"]),
 ])
 def test_invalid_values_get_fedaccel_runs_message(client, capsys, values, key, cli):
     response = client.post("/api/validate", json={"values": values}, headers=POST)
@@ -175,8 +175,8 @@ def test_invalid_values_get_fedaccel_runs_message(client, capsys, values, key, c
 @pytest.mark.parametrize("values, key, wanted", [
     ({"cohort-batching": "on"}, "cohort-batching", "batched cohorts run in the fast runner"),
     ({"algo": "scaffold", "checkpoint-every": "5"}, "checkpoint-every", "algo='scaffold'"),
-    ({"cohort-batching": "on", "logical-clients": "4", "dataset": "cifar10"}, "cohort-batching",
-     "cannot be batched: data augmentation"),
+    ({"cohort-batching": "on", "logical-clients": "4", "algo": "fedpm", "fedpm.refresh-every": "1"},
+     "cohort-batching", "cannot be batched: fedpm.refresh-every=1"),
     ({"logical-clients": "8", "clients-per-round": "30"}, "clients-per-round", "exceeds the 8 logical clients"),
 ])
 def test_a_flwr_run_form_is_refused_as_its_server_would_before_asking_a_node(client, values, key, wanted):

@@ -394,7 +394,7 @@ def cohort_fallback(context: Context) -> str | None:
     rt = client_runtime(context)
     if rt.cfg.cohort_batching == "off":
         return "cohort-batching='off'"
-    return fallback_reason(rt.solver, rt.cfg, rt.model, rt.train.augment) or (
+    return fallback_reason(rt.solver, rt.cfg, rt.model) or (
         slower_reason(rt.model) if rt.cfg.cohort_batching == "auto" else None)
 
 

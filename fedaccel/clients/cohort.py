@@ -50,7 +50,9 @@ overrides none of the loop's hooks other than the rule hooks
 (``gradient_rule``, ``gradient_transform``, ``step_tensors``,
 ``before_steps``), or one that says its overrides serve both trainers
 (FedPM's FOOF mode); :func:`fallback_reason` adds what the run itself rules
-out (augmentation, dropout, buffers).
+out (dropout, buffers). Augmented data (CIFAR's random crops and flips) is
+batched: each client's crops are drawn ahead of the steps, in its own loop's
+order (:func:`_batch_plan`).
 """
 
 from __future__ import annotations
@@ -74,18 +76,18 @@ from fedaccel.clients.base import LocalResult, LocalSolver, TrainData
 from fedaccel.clients.state import ClientState
 from fedaccel.clients.composition import client_gradient_transforms
 from fedaccel.config import ConfigError, RunConfig
+from fedaccel.data.augment import PAD, crop_flip, crop_flip_draws
 
-def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module,
-                    augment: bool) -> str | None:
+def fallback_reason(solver: LocalSolver, cfg: RunConfig, model: torch.nn.Module) -> str | None:
     """Why this run's clients cannot train as one batched model, or None.
 
     One line, for the log: the cohort trainer falls back to the per-client
-    loop for the whole run rather than approximate anything."""
+    loop for the whole run rather than approximate anything. (Data
+    augmentation is no reason: :func:`_batch_plan` draws each client's crops
+    as its own loop would.)"""
     reason = solver.per_client_reason()
     if reason:
         return reason
-    if augment:
-        return "data augmentation draws random crops per batch from each client's generator"
     if any(True for _ in model.buffers()):
         return "the model has buffers (running statistics), which a functional batch does not carry"
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in model.modules()):
@@ -220,8 +222,12 @@ class CohortMember:
     start: list[torch.Tensor]
 
 
+Crops = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (dy, dx, flip) of each slot of a batch plan
+
+
 def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, device: torch.device,
-                data_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+                data_starts: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], Crops | None]:
     """Every client's mini-batches, in its own order, step by step.
 
     ``members`` are sorted by step count, largest first, so the clients still
@@ -235,7 +241,16 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     the total number of client-steps, so no row is gathered for a client
     that has left. The permutations are drawn
     exactly as the per-client loop draws them: one ``randperm`` per epoch from
-    the client's generator."""
+    the client's generator.
+
+    Where a member's data is augmented (``TrainData.augment``: CIFAR's random
+    crops and flips), its crops are drawn here too, in the per-client loop's
+    order (each epoch's ``randperm``, then :func:`crop_flip_draws` for each
+    of its batches in turn, so the generator is left as that loop leaves
+    it), and the last value is ``(dy, dx, flip)`` ``[K, B]`` on ``device``,
+    each sample's crop in the layout of ``rows``; a member without
+    augmentation and every padded slot get the crop that leaves an image as
+    it is (offset ``PAD``, no flip). None when no member is augmented."""
     steps = [epochs * math.ceil(m.data.num_examples / batch_size) for m in members]
     sizes = [m.data.num_examples for m in members]
     # filled in NumPy (a slice assignment there costs a tenth of torch's),
@@ -246,11 +261,20 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     plan = np.full(int(first[-1]) * batch_size, -1, dtype=np.int64)
     if data_starts is None:
         data_starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64).tolist()
+    augmented = any(m.data.augment for m in members)
+    if augmented:  # every slot's crop, client-major as plan; PAD and no flip: the image as it is
+        dys, dxs, flips = np.full(len(plan), PAD, np.int64), np.full(len(plan), PAD, np.int64), np.zeros(len(plan), bool)
     for c, (m, n, offset) in enumerate(zip(members, sizes, data_starts)):
         width = math.ceil(n / batch_size) * batch_size  # one epoch, its last batch padded
         for e in range(epochs):
             at = int(first[c]) * batch_size + e * width
             plan[at:at + n] = torch.randperm(n, generator=m.generator).numpy() + offset
+            if m.data.augment:  # then each batch's crops, as the per-client loop draws them
+                for begin in range(at, at + n, batch_size):
+                    b = min(batch_size, at + n - begin)
+                    dy, dx, flip = crop_flip_draws(b, m.generator)
+                    dys[begin:begin + b], dxs[begin:begin + b] = dy.cpu().numpy(), dx.cpu().numpy()
+                    flips[begin:begin + b] = flip.cpu().numpy()
     plan = plan.reshape(-1, batch_size)
     # step-major: the row of (step t, client c) is start[t] + c
     active = (np.asarray(steps)[None, :] > np.arange(max(steps))[:, None]).sum(axis=1)  # [T]
@@ -265,7 +289,16 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     # another client's sample (index 0) let that client's NaN or inf into this
     # one's gradient and loss (0 * NaN); its own sample is one it trains on anyway
     index = np.where(real, index, index[:, :1])
-    return (torch.from_numpy(index).to(device), torch.from_numpy(real).float().to(device), active.tolist(), steps)
+    crops = None
+    if augmented:  # into the step-major layout of index
+        crops = []
+        for values in (dys, dxs, flips):
+            step_major = np.empty_like(values.reshape(-1, batch_size))
+            step_major[start[step] + client] = values.reshape(-1, batch_size)
+            crops.append(torch.from_numpy(step_major).to(device))
+        crops = tuple(crops)
+    return (torch.from_numpy(index).to(device), torch.from_numpy(real).float().to(device), active.tolist(), steps,
+            crops)
 
 
 class _Stacked:
@@ -308,7 +341,7 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
         x_all, y_all, data_starts = pool.x, pool.y, [m.data.pool_start for m in cohort]
     else:
         x_all, y_all, data_starts = torch.cat([m.data.x for m in cohort]), torch.cat([m.data.y for m in cohort]), None
-    rows, real, active_per_step, steps = _batch_plan(cohort, epochs, batch_size, device, data_starts)
+    rows, real, active_per_step, steps, crops = _batch_plan(cohort, epochs, batch_size, device, data_starts)
     starts = np.cumsum([0, *active_per_step])[:-1].tolist()  # step t's first row (none: no steps)
     y_steps = y_all.index_select(0, rows.view(-1)).view(rows.shape)
     sample_shape = x_all.shape[1:]
@@ -323,6 +356,11 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
         def x_rows(begin: int, end: int) -> torch.Tensor:
             return x_all.index_select(0, rows[begin:end].reshape(-1)).view((end - begin,) + rows.shape[1:]
                                                                            + sample_shape)
+    if crops is not None:  # each step's images cropped and flipped as the per-client loop does
+        uncropped = x_rows
+
+        def x_rows(begin: int, end: int) -> torch.Tensor:
+            return crop_flip(uncropped(begin, end), *(c[begin:end] for c in crops))
     names = [n for n, _ in model.named_parameters()]
     grads_of = batched_loss_and_grads(model)
     # stacks the solver made (it keeps its accumulators' sums itself), else each member's tensors stacked
