@@ -1948,6 +1948,43 @@ def test_a_client_whose_saved_state_is_another_models_fails_alone_on_both_paths(
 
 
 @pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
+def test_a_second_order_client_with_nan_data_is_told_so_alone(algo) -> None:
+    """A NaN in one client's data makes its FOOF matrix non-finite: that
+    client fails alone on both paths with a line that says so (not the
+    advice to raise the damping, which no damping can mend), and the
+    other clients train as they do alone."""
+    from fedaccel.config import ConfigError
+
+    cfg = run_cfg(algo, **{"batch-size": 16, f"{algo}.damping": 1e6})
+    model, datas = make_model(), clients([20, 17, 16])
+    datas[1].x[2, 3] = float("nan")
+    for results in (per_client_results(cfg, model, datas), fit_cohort(copy.deepcopy(model), cohort_jobs(cfg, model, datas),
+                                                                       cfg.batch_size)):
+        assert isinstance(results[1], ConfigError), results[1]
+        assert "NaN or inf entries" in str(results[1]) and "increase" not in str(results[1])
+        assert not isinstance(results[0], BaseException) and not isinstance(results[2], BaseException)
+
+
+def per_client_results(cfg, model, datas) -> list:
+    """Each client's first-round result alone (its error where it fails)."""
+    out = []
+    for c, data in enumerate(datas):
+        try:
+            out.append(new_solver(cfg, model).fit(copy.deepcopy(model), data, config_for(cfg.algo, 1),
+                                                  ContextState(RecordDict()), seeded_generator(cfg.seed, 1, c, "train")))
+        except ValueError as err:
+            out.append(err)
+    return out
+
+
+def cohort_jobs(cfg, model, datas) -> list[CohortJob]:
+    return [CohortJob(solver=new_solver(cfg, model), data=data, arrays=state_to_arrays(model),
+                      config=config_for(cfg.algo, 1), state=ContextState(RecordDict()),
+                      generator=seeded_generator(cfg.seed, 1, c, "train"))
+            for c, data in enumerate(datas)]
+
+
+@pytest.mark.parametrize("algo", ["fedpm", "localnewton"])
 def test_a_second_order_client_without_samples_fails_alone_in_a_batched_round(algo) -> None:
     """A client with no samples has no FOOF rows: its own round fails with
     the FOOF pass's error (a user error: that client's one-line reply, not a

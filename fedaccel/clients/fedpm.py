@@ -323,7 +323,7 @@ class FedPMSolver(LocalSolver):
             bad = [name for name in layers if infos[name][c] != 0]
             if bad:  # this client fails alone, holding nothing of the batch
                 m.solver._x_foof = None
-                problems.append(foof.not_positive_definite(int(used[bad[0]].shape[-1]), self.damping, self.cfg.algo))
+                problems.append(foof.preconditioner_error(used[bad[0]][c], self.damping, self.cfg.algo))
                 continue
             m.solver.used = OrderedDict((name, used[name][c]) for name in layers)
             m.solver.inverses, m.solver.factors = {name: inverses[name][c] for name in layers}, {}

@@ -259,7 +259,7 @@ def damped_cholesky(a: torch.Tensor, damping: float, algo: str = "fedpm") -> tor
     :func:`not_positive_definite` for ``algo``."""
     factor, info = damped_cholesky_ex(a, damping)
     if int(info) != 0:
-        raise not_positive_definite(a.shape[-1], damping, algo)
+        raise preconditioner_error(a, damping, algo)
     return factor
 
 
@@ -291,6 +291,18 @@ def no_input_rows() -> ConfigError:
     own reaches it."""
     return ConfigError("a client without training samples has no rows for its FOOF preconditioner (a FOOF pass "
                        "needs at least one input row); give every client at least one sample")
+
+
+def preconditioner_error(matrix: torch.Tensor, damping: float, algo: str = "fedpm") -> ConfigError:
+    """The error of a client's preconditioner ``matrix`` whose damped form has
+    no Cholesky factor: NaN or inf entries (non-finite values in the
+    client's data or in the model it received, which no damping mends),
+    else :func:`not_positive_definite`."""
+    if not bool(torch.isfinite(matrix).all()):
+        return ConfigError(
+            f"{algo}: preconditioner of size {matrix.shape[-1]} has NaN or inf entries: this client's training "
+            "data or the model it received holds non-finite values (no damping can mend that); check the data")
+    return not_positive_definite(matrix.shape[-1], damping, algo)
 
 
 def not_positive_definite(size: int, damping: float, algo: str = "fedpm") -> ConfigError:
