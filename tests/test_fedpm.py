@@ -427,6 +427,64 @@ def test_exact_mode_is_a_global_newton_step_and_converges_superlinearly():
     assert avg_errors[-1] > 1e3 * errors[4]
 
 
+# no FOOF pass uploads it (eigenvalues 51, 1, -49: indefinite even after damping 1, and so is a mix that holds it
+# beside two sound matrices of similar weight), though its diagonal is positive
+INDEFINITE = np.array([[1.0, 50.0, 0.0], [50.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+
+
+def fedpm_round(precond_of, weight_of, pids=(0, 1, 2)):
+    """One FedPM round's aggregation over hand-made replies: client ``pid``
+    uploads weights, ``precond_of(pid)`` as its fc preconditioner and
+    ``weight_of(pid)`` samples. Returns (the strategy, the new model or
+    None, what each reply sent)."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+    from fedaccel.membership import Federation
+    from fedaccel.registry import get_algorithm
+    from fakes import StubGrid
+
+    cfg = parse_run_config(fuse(default_run_config(), {"algo": "fedpm", "clients-per-round": len(pids)}))
+    nodes = {pid: 11 + pid for pid in pids}
+    strategy = get_algorithm("fedpm").build_strategy(cfg, Federation(dict(nodes)))
+    start = {"fc.weight": np.ones((2, 2), dtype=np.float32), "fc.bias": np.zeros(2, dtype=np.float32)}
+    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(
+        1, ArrayRecord({k: Array(v) for k, v in start.items()}), ConfigRecord(), StubGrid(nodes.values()))}
+    rng = np.random.default_rng(0)
+    sent, replies = {}, []
+    for pid, node in nodes.items():
+        msgs[node].metadata.__dict__["_message_id"] = f"m{pid}"
+        arrays = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in start.items()}
+        packed = foof.pack_upper(torch.from_numpy(np.asarray(precond_of(pid), dtype=np.float32))).numpy()
+        sent[pid] = (arrays, {"fc": packed}, float(weight_of(pid)))
+        replies.append(Message(RecordDict({
+            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            "metrics": MetricRecord({"num-examples": weight_of(pid), "train-loss": 1.0}),
+            PRECOND_KEY: ArrayRecord({"fc": Array(packed)}),
+        }), reply_to=msgs[node]))
+    out, _ = strategy.aggregate_train(1, replies)
+    return strategy, out, sent
+
+
+@pytest.mark.parametrize("weight", [5, 100])
+def test_a_reply_with_a_negative_diagonal_is_rejected_alone_whatever_the_others(server_identity, caplog, weight):
+    """A FOOF matrix's diagonal holds means of squares: a reply whose matrix
+    has a negative diagonal entry (here -2 I: indefinite even after damping
+    1) is rejected by the reply checks, logged and not committed, and the
+    other two are mixed exactly as if only they had replied, whether its
+    weight is small against theirs (its mix would have stayed positive
+    definite, and used to take it in) or large."""
+    sound = np.array([[2.0, 0.5, 0.1], [0.5, 1.0, 0.2], [0.1, 0.2, 1.0]])
+    strategy, out, sent = fedpm_round(lambda pid: -2.0 * np.eye(3) if pid == 1 else sound,
+                                      lambda pid: weight if pid == 1 else 100)
+    expected = preconditioned_mix([sent[0], sent[2]], float(strategy.run_cfg.algo_params.damping))
+    for key, value in expected.items():
+        np.testing.assert_array_equal(out[key].numpy(), value)
+    assert (strategy.rounds[1].rejected, strategy.rounds[1].replies) == (1, 2)
+    assert any("rejected the reply of node 12" in r.getMessage() and "negative diagonal entry (-2)" in r.getMessage()
+               for r in caplog.records)
+    assert strategy.accepted_round.get(1) is None and strategy.accepted_round[0] == strategy.accepted_round[2] == 1
+
+
 def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in_one_line(server_identity):
     """A diverged (or malformed) client whose preconditioner makes the damped sum
     indefinite stops the run with a RoundFailedError naming the fix, not a
@@ -446,7 +504,7 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
     replies = []
     for i, m in enumerate(msgs):
         m.metadata.__dict__["_message_id"] = f"m{i}"
-        precond = -5.0 * np.eye(3, dtype=np.float32)  # indefinite even after damping 1
+        precond = INDEFINITE.astype(np.float32)  # indefinite even after damping 1
         replies.append(Message(RecordDict({
             "arrays": model,
             "metrics": MetricRecord({"num-examples": 10, "train-loss": 1.0}),
@@ -461,37 +519,13 @@ def test_a_mixed_preconditioner_that_is_not_positive_definite_stops_the_round_in
 
 def test_a_reply_whose_own_preconditioner_has_no_factor_is_rejected_alone(server_identity, caplog):
     """One client uploads a matrix no FOOF pass makes (indefinite even after
-    damping): the mix fails, that reply is rejected as a malformed one is
-    (logged, counted, its client not committed) and the other two are mixed,
-    exactly as if only they had replied."""
-    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
-
-    from fedaccel.membership import Federation
-    from fedaccel.registry import get_algorithm
-    from fakes import StubGrid
-
-    cfg = parse_run_config(fuse(default_run_config(), {"algo": "fedpm", "clients-per-round": 3}))
-    nodes = {0: 11, 1: 12, 2: 13}
-    strategy = get_algorithm("fedpm").build_strategy(cfg, Federation(dict(nodes)))
-    start = {"fc.weight": np.ones((2, 2), dtype=np.float32), "fc.bias": np.zeros(2, dtype=np.float32)}
-    msgs = {m.metadata.dst_node_id: m for m in strategy.configure_train(
-        1, ArrayRecord({k: Array(v) for k, v in start.items()}), ConfigRecord(), StubGrid(nodes.values()))}
-    rng = np.random.default_rng(0)
-    sent, replies = {}, []
-    for pid, node in nodes.items():
-        msgs[node].metadata.__dict__["_message_id"] = f"m{pid}"
-        arrays = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in start.items()}
-        a = rng.normal(size=(3, 3))
-        precond = (a @ a.T / 3 if pid != 1 else -5.0 * np.eye(3)).astype(np.float32)
-        packed = foof.pack_upper(torch.from_numpy(precond)).numpy()
-        sent[pid] = (arrays, {"fc": packed}, 10.0 + pid)
-        replies.append(Message(RecordDict({
-            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-            "metrics": MetricRecord({"num-examples": 10 + pid, "train-loss": 1.0}),
-            PRECOND_KEY: ArrayRecord({"fc": Array(packed)}),
-        }), reply_to=msgs[node]))
-    out, _ = strategy.aggregate_train(1, replies)
-    expected = preconditioned_mix([sent[0], sent[2]], float(cfg.algo_params.damping))
+    damping, its diagonal positive): the mix fails, that reply is rejected
+    as a malformed one is (logged, counted, its client not committed) and
+    the other two are mixed, exactly as if only they had replied."""
+    rng = np.random.default_rng(1)
+    sound = {pid: (lambda a: a @ a.T / 3)(rng.normal(size=(3, 3))) for pid in (0, 2)}
+    strategy, out, sent = fedpm_round(lambda pid: sound.get(pid, INDEFINITE), lambda pid: 10 + pid)
+    expected = preconditioned_mix([sent[0], sent[2]], float(strategy.run_cfg.algo_params.damping))
     for key, value in expected.items():
         np.testing.assert_array_equal(out[key].numpy(), value)
     log = strategy.rounds[1]

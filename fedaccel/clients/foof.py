@@ -35,6 +35,8 @@ project's models have none.
 
 from __future__ import annotations
 
+import functools
+
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 import math
@@ -357,6 +359,17 @@ def _upper_triangle(d: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     i, j = torch.triu_indices(d, d, device=device)
     mask = torch.ones(d, d, dtype=torch.bool, device=device).triu()
     return i * d + j, mask
+
+
+@functools.lru_cache(maxsize=64)
+def diagonal_of_packed(d: int) -> np.ndarray:
+    """Where a ``d x d`` matrix's diagonal lies in its :func:`pack_upper`
+    triangle (row ``i`` starts at ``i d - i (i - 1) / 2``, its diagonal
+    first); read-only, made once per size."""
+    i = np.arange(d)
+    where = i * d - i * (i - 1) // 2
+    where.flags.writeable = False
+    return where
 
 
 def pack_upper(a: torch.Tensor) -> torch.Tensor:

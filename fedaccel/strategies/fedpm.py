@@ -23,7 +23,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.clients import foof
 from fedaccel.clients.fedpm import PRECOND_KEY, FedPMParams, FedPMSolver, check_exact_mode
-from fedaccel.arrays import numpy_to_record, record_to_numpy
+from fedaccel.arrays import numpy_to_record, record_to_numpy, to_numpy
 from fedaccel.config import RunConfig
 from fedaccel.errors import RejectedReplies, RoundFailedError
 from fedaccel.algorithm import AlgorithmSpec
@@ -53,6 +53,26 @@ class FedPMStrategy(FedAccelStrategy, FedAvg):
             cached = (sent, preconditioner_layout([(k, tuple(a.shape)) for k, a in sent.items()], full))
             self._precond_layout_of = cached
         return {PRECOND_KEY: cached[1]}
+
+    def reply_problem(self, reply: Message) -> str | None:
+        """The shared checks, then (FOOF mode) each uploaded matrix's
+        diagonal: a FOOF matrix's diagonal holds means of squares, so a
+        negative entry is an upload no FOOF pass makes (a faulty or forged
+        client). Rejected alone, whatever the other replies hold; a subtler
+        indefinite matrix (a nonnegative diagonal) is found only if it makes
+        the round's mix fail (:meth:`combine`): telling it from rounding
+        needs a factorization per reply, as costly as the mix itself on a
+        wide layer."""
+        problem = super().reply_problem(reply)
+        if problem is not None or self.run_cfg.algo_params.mode != "foof":
+            return problem
+        for layer, array in reply.content[PRECOND_KEY].items():
+            values = to_numpy(array)
+            lowest = float(values[foof.diagonal_of_packed(foof.triangle_side(values.size))].min())
+            if lowest < 0:
+                return (f"its {layer} preconditioner has a negative diagonal entry ({lowest:.3g}): no FOOF "
+                        "pass uploads such a matrix (its diagonal holds means of squares)")
+        return None
 
     def combine(self, server_round: int, replies: list[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         clients = []
