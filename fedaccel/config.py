@@ -28,6 +28,24 @@ def config_literal(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
+# The largest magnitude a run-config number may have: what a float32 tensor
+# holds (a larger lr, weight decay or coefficient overflows the first tensor
+# it meets, in every client); and the largest integer (a count of rounds,
+# epochs, samples or clients, or a batch size, beyond which sizes overflow).
+LARGEST_NUMBER = 3.4028234663852886e38
+LARGEST_INTEGER = 2**31 - 1
+
+
+def number_problem(value: Any) -> str | None:
+    """Why ``value`` is not a usable run-config number (one phrase), or None:
+    not a number, not finite, or larger in magnitude than a float32 holds."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "must be a finite number"
+    if abs(value) > LARGEST_NUMBER:
+        return f"must be a finite number of at most {LARGEST_NUMBER:.4g} in magnitude (a float32)"
+    return None
+
+
 def config_error(key: str, value: Any, allowed: str) -> ConfigError:
     """Build the one-line error used for every invalid key."""
     return ConfigError(f"invalid run config: {key}={config_literal(value)}: {allowed}")
@@ -246,11 +264,10 @@ def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> 
         if isinstance(default, bool):
             require(isinstance(value, bool), key, value, "must be true or false")
         elif isinstance(default, (int, float)):
-            require(
-                isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value),
-                key, value, "must be a finite number",
-            )
+            problem = number_problem(value)
+            require(problem is None, key, value, problem or "")
+            if isinstance(default, int):
+                require(abs(value) <= LARGEST_INTEGER, key, value, f"must be at most {LARGEST_INTEGER} in magnitude")
             value = type(default)(value) if isinstance(default, float) else value
         elif isinstance(default, str):
             require(isinstance(value, str), key, value, "must be a string (quote it)")

@@ -6,6 +6,7 @@ simulation, on a real SuperLink, and in the fast runner alike.
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
 from contextlib import contextmanager
@@ -129,6 +130,10 @@ def writable_run_dir(cfg: RunConfig, run_dir: Path | None = None) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
+        if err.errno == errno.ENAMETOOLONG:
+            raise ResultsDirError(
+                f"results-dir={cfg.results_dir!r}, run-name={cfg.run_name!r}: the run folder's path is too long "
+                f"for the file system ({err.strerror}); use a shorter run-name or results-dir") from None
         raise ResultsDirError(
             f"results-dir={cfg.results_dir!r}: cannot write the run folder {run_dir} "
             f"({err.strerror or err}); set results-dir to a writable folder") from None
@@ -377,7 +382,10 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     # a results folder that cannot be written fails now, not at the end; one
     # this run creates is removed again if the run is refused before its first file
     target = run_dir_of(resume.path) if resume is not None else resolve_run_dir(cfg)
-    created = not target.exists()
+    try:
+        created = not target.exists()
+    except OSError:  # a path the file system refuses (a name too long): writable_run_dir says so in one line
+        created = True
     run_dir = writable_run_dir(cfg, target)
     with removed_if_left_empty(run_dir, created):
         # one message at a time per node (SerialNodes), replies noticed within ms, not after

@@ -74,11 +74,14 @@ def parse_run_config_string(text: str) -> dict[str, Any]:
     if text.strip().endswith(".toml"):
         path = Path(text.strip()).expanduser()
         try:
-            return flatten_dict(tomli.loads(path.read_text(encoding="utf-8")))
+            loaded = tomli.loads(path.read_text(encoding="utf-8"))
         except OSError as err:
             raise ConfigError(f"--run-config {path}: cannot read it ({err.strerror or err})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--run-config {path}: not a UTF-8 text file") from None
         except tomli.TOMLDecodeError as err:
             raise ConfigError(f"--run-config {path}: not valid TOML ({err})") from None
+        return flat_config(loaded, f"--run-config {path}")
     out: dict[str, Any] = {}
     leftover = _PAIR.sub(" ", text).split()
     if leftover:
@@ -117,6 +120,8 @@ def load_yaml_config(yaml_file: str) -> dict[str, Any]:
         raise ConfigError(f"--config {yaml_file}: no such file") from None
     except OSError as err:
         raise ConfigError(f"--config {yaml_file}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {yaml_file}: not a UTF-8 text file") from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -127,6 +132,26 @@ def load_yaml_config(yaml_file: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {yaml_file}: must hold a mapping of run-config keys "
                           f"(key: value lines), not a {type(loaded).__name__}")
+    return flat_config(loaded, f"--config {yaml_file}")
+
+
+def flat_config(loaded: dict, source: str) -> dict[str, Any]:
+    """Flower's ``flatten_dict`` of a config file's mapping (nested mappings
+    become dotted keys), its refusals as one line naming ``source``: a key
+    that is not a string (YAML's ``1: 3``), a value Flower's run config
+    cannot hold (a list, a date, a null)."""
+    pending = [("", loaded)]
+    while pending:
+        prefix, mapping = pending.pop()
+        for key, value in mapping.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{source}: key {key!r}{f' under {prefix!r}' if prefix else ''} is not a "
+                                  "string; run-config keys are names such as lr or fedprox.mu")
+            if isinstance(value, dict):
+                pending.append((f"{prefix}.{key}" if prefix else key, value))
+            elif value is None or not isinstance(value, (bool, int, float, str)):
+                raise ConfigError(f"{source}: {f'{prefix}.{key}' if prefix else key}={value!r} is not a number, "
+                                  "true/false or a string (quote dates and other text)")
     return flatten_dict(loaded)
 
 

@@ -32,8 +32,8 @@ def expected_synthetic_samples(cfg: RunConfig, num_clients: int) -> float:
     """E[samples] of FedProx's synthetic sizes (LogNormal(size-mu, 2) + min-samples,
     clipped to max-samples, fedaccel/data/sources.py), from 200,000 seeded draws."""
     syn = cfg.synthetic
-    draws = np.random.default_rng(0).lognormal(syn.size_mu, 2, 200_000).astype(np.int64) + syn.min_samples
-    return float(np.minimum(draws, syn.max_samples).mean()) * num_clients
+    draws = np.minimum(np.random.default_rng(0).lognormal(syn.size_mu, 2, 200_000), syn.max_samples)  # as the generator
+    return float(np.minimum(draws.astype(np.int64) + syn.min_samples, syn.max_samples).mean()) * num_clients
 
 
 def estimate_bytes(cfg: RunConfig, num_clients: int, client_contexts: bool = True) -> tuple[int, str]:

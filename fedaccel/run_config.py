@@ -18,10 +18,10 @@ from typing import Any, Mapping
 from fedaccel.clients.gradient_centralization import GLOBAL_SCOPES, VECTOR_RULES, WEIGHT_DECAY_RULES
 from fedaccel.clients.state import CLIENT_STATES
 from fedaccel.data import DATASETS, PARTITIONS
-from fedaccel.data.config import PRECISIONS
+from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX
 from fedaccel.config import (
     COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
-    parse_algo_params, require,
+    LARGEST_INTEGER, number_problem, parse_algo_params, require,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
@@ -53,11 +53,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 def _number(cfg: Mapping[str, Any], key: str) -> float:
     value = cfg[key]
-    require(
-        isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value),
-        key, value, "must be a finite number",
-    )
+    problem = number_problem(value)
+    require(problem is None, key, value, problem or "")
     return float(value)
 
 
@@ -68,9 +65,10 @@ def is_whole_number(value: Any) -> bool:
         isinstance(value, float) and value.is_integer())
 
 
-def _integer(cfg: Mapping[str, Any], key: str, minimum: int) -> int:
+def _integer(cfg: Mapping[str, Any], key: str, minimum: int, maximum: int = LARGEST_INTEGER) -> int:
     value = cfg[key]
     require(is_whole_number(value) and value >= minimum, key, value, f"must be an integer >= {minimum}")
+    require(value <= maximum, key, value, f"must be an integer in [{minimum}, {maximum}]")
     return int(value)
 
 
@@ -135,6 +133,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
             "run config is missing keys " + ", ".join(missing)
             + ": run from the project folder (flwr run .) so pyproject.toml supplies them"
         )
+    for key, value in cfg.items():  # a path or name with a NUL byte: no file system takes it
+        require(not (isinstance(value, str) and "\x00" in value), key, value, "must not contain a NUL character")
     algo = _string(cfg, "algo")
     spec = get_algorithm(algo)  # an unknown name: ConfigError with the allowed names
 
@@ -182,8 +182,11 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         shared_model=(_boolean(cfg, "synthetic.shared-model")
                       if "synthetic.shared-model" in cfg else syn.shared_model),
     )
-    require(synthetic.alpha >= 0, "synthetic.alpha", synthetic.alpha, "must be >= 0")
-    require(synthetic.beta >= 0, "synthetic.beta", synthetic.beta, "must be >= 0")
+    for key, spread in (("synthetic.alpha", synthetic.alpha), ("synthetic.beta", synthetic.beta)):
+        require(spread >= 0, key, spread, "must be >= 0")
+        require(spread <= SYNTHETIC_SPREAD_MAX, key, spread,
+                f"must be at most {SYNTHETIC_SPREAD_MAX:g} (FedProx's Synthetic-(alpha, beta) uses 0 to 1; far "
+                "larger spreads overflow the generated features and labels)")
     require(not (synthetic.iid and synthetic.shared_model), "synthetic.shared-model",
             synthetic.shared_model, "applies to the non-IID generator only: with synthetic.iid=true "
             "every client already has the same model; set one of them to false")
@@ -252,7 +255,7 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         lr=lr,
         momentum=momentum,
         weight_decay=wd,
-        seed=_integer(cfg, "seed", 0),
+        seed=_integer(cfg, "seed", 0, 2**63 - 1),  # torch's and NumPy's seeds take 64 bits
         results_dir=_string(cfg, "results-dir"),
         run_name=run_name,
         target_accuracy=target,

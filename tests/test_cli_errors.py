@@ -72,6 +72,16 @@ def one_error_line(err: str) -> str:
     (["synthetic.shared-model='yes'"], 2, "synthetic.shared-model='yes': must be true or false"),
     (["synthetic.shared-model=true", "synthetic.iid=true"], 2,
      "synthetic.shared-model=true: applies to the non-IID generator only"),
+    # numbers beyond what the run's tensors and sizes hold (each was a traceback from deep inside)
+    (["lr=1e308"], 2, "lr=1e+308: must be a finite number of at most 3.403e+38 in magnitude (a float32)"),
+    (["algo='fedprox'", "fedprox.mu=1e308"], 2, "fedprox.mu=1e+308: must be a finite number of at most 3.403e+38"),
+    (["seed=99999999999999999999"], 2, "seed=99999999999999999999: must be an integer in [0, 9223372036854775807]"),
+    (["logical-clients=1e308"], 2, "logical-clients=1e+308: must be an integer in [0, 2147483647]"),
+    (["local-epochs=99999999999999999999"], 2, "local-epochs=99999999999999999999: must be an integer in [1, "),
+    (["algo='fedpm'", "fedpm.foof-samples=99999999999999999999"], 2, "must be at most 2147483647 in magnitude"),
+    (["algo='fedcdr'", "fedcdr.eta=1e-300"], 2, "fedcdr.eta=1e-300: must be > 0 and at least 2.94e-39"),
+    (["synthetic.alpha=3e38"], 2, "synthetic.alpha=3e+38: must be at most 1000"),
+    (["run-name=\"a\\u0000b\""], 2, "run-name='a\\x00b': must not contain a NUL character"),
 ])
 def test_config_mistakes_get_one_line_and_exit_2(tmp_path, capsys, args, code, wanted):
     got, out, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL, *args)
@@ -97,13 +107,39 @@ def test_yaml_on_and_off_are_strings_as_in_yaml_1_2(tmp_path, capsys):
     ("algo: [fedavg\n", "not valid YAML at line 2, column 1"),
     ("- algo\n- lr\n", "must hold a mapping of run-config keys (key: value lines), not a list"),
     ("algo: fedavg\n\tlr: 0.1\n", "not valid YAML at line 2"),
+    ("run-name: 2024-01-01\n", "run-name=datetime.date(2024, 1, 1) is not a number, true/false or a string"),
+    ("run-name: null\n", "run-name=None is not a number, true/false or a string"),
+    ("fedprox:\n  mu: [1]\n", "fedprox.mu=[1] is not a number, true/false or a string"),
+    ("1: 3\n", "key 1 is not a string"),
+    (b"\xff\xfelr: 1\n", "not a UTF-8 text file"),
 ])
 def test_malformed_yaml_files(tmp_path, capsys, text, wanted):
     study = tmp_path / "study.yaml"
-    study.write_text(text)
+    study.write_bytes(text if isinstance(text, bytes) else text.encode())
     code, _, err = run_cli(capsys, "--config", str(study), f"results-dir='{tmp_path / 'out'}'", *SMALL)
     assert code == 2 and wanted in one_error_line(err)
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("text,wanted", [("lr = [0.1]\n", "lr=[0.1] is not a number, true/false or a string"),
+                                         (b"\xff\xfelr = 1\n", "not a UTF-8 text file")])
+def test_malformed_run_config_toml_files(tmp_path, capsys, text, wanted):
+    toml = tmp_path / "run.toml"
+    toml.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code, _, err = run_cli(capsys, "--run-config", str(toml), f"results-dir='{tmp_path / 'out'}'", *SMALL)
+    assert code == 2 and wanted in one_error_line(err)
+
+
+@pytest.mark.parametrize("key", ["run-name", "results-dir", "state-dir"])
+def test_a_path_too_long_for_the_file_system_is_exit_3_in_one_line(tmp_path, capsys, key):
+    """A run name or folder longer than a file name may be (255 bytes): one
+    line naming the key, exit 3, not an OSError traceback."""
+    long = "x" * 300
+    value = long if key == "run-name" else str(tmp_path / long)
+    stateful = ["algo='scaffold'", "client-state='disk'"] if key == "state-dir" else []
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path / 'out'}'", *SMALL, *stateful, f"{key}='{value}'")
+    line = one_error_line(err)
+    assert code == 3 and key in line and ("path is too long" in line or "cannot make" in line), line
 
 
 @pytest.mark.parametrize("args,wanted", [

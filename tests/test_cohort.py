@@ -670,6 +670,30 @@ def test_the_batch_plan_is_each_clients_own_batches_step_by_step(epochs: int) ->
     assert rows.shape == (sum(steps), batch) and real.shape == (sum(steps), batch)
 
 
+def test_a_batch_size_above_every_clients_samples_pads_no_wider_than_the_largest(monkeypatch) -> None:
+    """batch-size 1,000,000 on clients of at most 90 samples: each client
+    takes one full-data step per epoch, batched as alone (two rounds of
+    SCAFFOLD), and the batch plan is no wider than the largest client (its
+    width was batch-size: gigabytes of padding)."""
+    widths = []
+    real_plan = cohort_module._batch_plan
+
+    def plan(members, epochs, batch_size, *a, **k):
+        widths.append(batch_size)
+        return real_plan(members, epochs, batch_size, *a, **k)
+
+    monkeypatch.setattr(cohort_module, "_batch_plan", plan)
+    cfg = run_cfg("scaffold", **{"batch-size": 10**6})
+    model, datas = make_model(), clients()
+    states = [[ContextState(RecordDict()) for _ in datas] for _ in range(2)]
+    for server_round in (1, 2):
+        alone = per_client_round(cfg, model, datas, states[0], server_round)
+        batched = cohort_round(cfg, model, datas, states[1], server_round)
+        assert_same_round(batched, alone)
+        assert [m["local-steps"] for m in batched[1]] == [2] * len(SIZES)  # local-epochs=2, one step each
+    assert widths == [max(SIZES)] * 2
+
+
 def image_clients(sizes=SIZES, augment=True, shape=(3, 8, 8)) -> list[TrainData]:
     """``clients`` of CIFAR-like images (C, H, W), augmented as CIFAR's are."""
     return [TrainData(x=d.x, y=d.y, augment=augment) for d in clients(sizes, shape=shape)]

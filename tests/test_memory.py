@@ -92,7 +92,7 @@ def test_the_cohort_chunk_asks_the_training_datas_device(monkeypatch):
     asked = []
     monkeypatch.setattr(ca, "available_bytes_on", lambda device: asked.append(device) or 10**12)
     rt = SimpleNamespace(cfg=SimpleNamespace(cohort_chunk=0, batch_size=16), model=build_model("mlp", (6,), 3),
-                         train=SimpleNamespace(x=torch.zeros(5, 6)),
+                         train=SimpleNamespace(x=torch.zeros(5, 6), pool=None, num_examples=5),
                          solver=SimpleNamespace(cohort_bytes=lambda model: 0))
     assert ca.cohort_chunk(rt) > 1000 and asked == [torch.device("cpu")]
     rt.cfg.cohort_chunk = 7

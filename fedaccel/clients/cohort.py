@@ -335,6 +335,9 @@ def train_stacked(model: torch.nn.Module, members: list[CohortMember], lr: float
     device = members[0].start[0].device
     order = sorted(range(len(members)), key=lambda c: -members[c].data.num_examples)
     cohort = [members[c] for c in order]
+    # no mini-batch holds more than its client's samples: a batch-size above the largest client's
+    # would only pad every step (the same batches and steps; memory that grows with batch-size)
+    batch_size = max(1, min(batch_size, cohort[0].data.num_examples))
     template = cohort[0].solver  # scalars of the rule and the optimizer: the same for all
     pool = cohort[0].data.pool
     if pool is not None and all(m.data.pool is pool for m in cohort):  # rows of one pool: gathered from it

@@ -489,7 +489,11 @@ def remove_orphaned_state_dirs(state_dir: str) -> list[Path]:
 
     root = Path(state_dir).expanduser() if state_dir else default_state_dir()
     removed = []
-    for folder in sorted(root.glob("run-*")) if root.is_dir() else []:
+    try:
+        folders = sorted(root.glob("run-*")) if root.is_dir() else []
+    except OSError:  # a path the file system refuses (a name too long): the run's own use of it says so
+        folders = []
+    for folder in folders:
         try:
             owner = json.loads((folder / OWNER_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -45,6 +45,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
+SYNTHETIC_SPREAD_MAX = 1000.0  # synthetic.alpha and synthetic.beta: standard deviations of the generator's means
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Everything that determines a federated dataset (hashable: used as cache key).
@@ -127,8 +130,10 @@ class DataConfig:
             )
         for key, val in (("synthetic.alpha", self.synthetic_alpha),
                          ("synthetic.beta", self.synthetic_beta)):
-            if not _is_number(val) or not math.isfinite(val) or val < 0:
-                raise DataError(f"{key}={val!r} is invalid; it must be a finite number >= 0")
+            if not _is_number(val) or not math.isfinite(val) or not 0 <= val <= SYNTHETIC_SPREAD_MAX:
+                raise DataError(f"{key}={val!r} is invalid; it must be a number in [0, {SYNTHETIC_SPREAD_MAX:g}] "
+                                "(FedProx's Synthetic-(alpha, beta) uses 0 to 1; far larger spreads overflow the "
+                                "generated features and labels)")
         if not isinstance(self.synthetic_iid, (bool, np.bool_)):
             raise DataError(
                 f"synthetic.iid={self.synthetic_iid!r} is invalid; it must be true or false"

@@ -146,7 +146,9 @@ def generate_synthetic(
     after the feature means so that ``shared_model=False`` data is unchanged.
     """
     d, c = SYNTHETIC_DIM, SYNTHETIC_CLASSES
-    sizes = rng.lognormal(size_mu, 2, num_users).astype(np.int64) + min_samples
+    # clipped before the cast as well: a draw beyond int64 (a huge size_mu) would wrap to a negative size;
+    # below max_samples the cast truncates the same value, at or above it the size is max_samples either way
+    sizes = np.minimum(rng.lognormal(size_mu, 2, num_users), max_samples).astype(np.int64) + min_samples
     sizes = np.minimum(sizes, max_samples)
     mean_w = rng.normal(0.0, alpha, num_users)
     mean_b = mean_w

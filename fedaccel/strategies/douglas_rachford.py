@@ -35,7 +35,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedaccel.clients.douglas_rachford import server_step
 from fedaccel.arrays import add_records, numpy_to_record, record_to_numpy
-from fedaccel.config import require
+from fedaccel.config import LARGEST_NUMBER, require
 from fedaccel.strategies.base import FedAccelStrategy
 from fedaccel.strategies.server_steps import reply_metrics
 
@@ -58,7 +58,9 @@ class DouglasRachfordParams:
     init: str = "model"
 
     def validate(self, prefix: str) -> None:
-        require(self.eta > 0, f"{prefix}.eta", self.eta, "must be > 0")
+        # the prox step divides by eta: 1 / eta must fit in a float32 too
+        require(self.eta >= 1 / LARGEST_NUMBER, f"{prefix}.eta", self.eta,
+                f"must be > 0 and at least {1 / LARGEST_NUMBER:.3g} (the prox step divides by it)")
         # FedCDR appendix A: "alpha in (0, 2] is a relaxation coefficient" (Themelis & Patrinos 2020)
         require(0 < self.alpha <= 2, f"{prefix}.alpha", self.alpha, "must be in (0, 2]")
         require(self.prox_start in PROX_STARTS, f"{prefix}.prox-start", self.prox_start,
