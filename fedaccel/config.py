@@ -188,6 +188,13 @@ class RunConfig:
                      f"exceeds the {num_clients} clients in the federation; use at most {num_clients}, or more "
                      "clients (fedaccel-federations size local-simulation N; fast runner: --num-clients N)")
             raise config_error("clients-per-round", display_value(self.clients_per_round), where)
+        stragglers = int(round(self.straggler_fraction * size))  # as the strategy draws them
+        if self.straggler_policy == "drop" and stragglers == size:
+            raise config_error(
+                "straggler-fraction", self.straggler_fraction,
+                f"with straggler-policy='drop' every client of a round of {size} is a straggler "
+                f"(round({self.straggler_fraction:g} x {size}) = {stragglers}) and every reply is dropped, so "
+                "the model never changes; lower straggler-fraction or use straggler-policy='keep'")
         return size
 
     def lr_at(self, server_round: int) -> float:

@@ -26,6 +26,7 @@ from fedaccel.checkpoint import (Checkpoint, SharedDiskClientStore, carried_stat
                                  read_checkpoint, resolution_changed, restore_carried_state, run_dir_of,
                                  write_checkpoint)
 from fedaccel.clients.cohort import fallback_reason, unbatchable_error
+from fedaccel.clients.gradient_centralization import gc_partition
 from fedaccel.clients.state import state_run_dir
 from fedaccel.data.device_file import DATASET_SPECS
 from fedaccel.models import build_model
@@ -156,6 +157,8 @@ class Experiment:
         dataset = load_data(data_config_for(cfg, federation.num_clients))
         self.device = select_device(cfg.device, cfg.tf32)
         self.model = build_model_for(cfg, dataset).to(self.device)
+        # gc.global-layers naming no layer of this model: refused now, not by every client in round 1
+        gc_partition(cfg.gc.mode, [n for n, _ in self.model.named_parameters()], cfg.gc.lam, cfg.gc.global_layers)
         self.test_x = torch.from_numpy(dataset.test_x).to(self.device)
         self.test_y = torch.from_numpy(dataset.test_y).to(self.device)
         self.strategy = self.spec.build_strategy(cfg, federation)

@@ -82,6 +82,11 @@ def one_error_line(err: str) -> str:
     (["algo='fedcdr'", "fedcdr.eta=1e-300"], 2, "fedcdr.eta=1e-300: must be > 0 and at least 2.94e-39"),
     (["synthetic.alpha=3e38"], 2, "synthetic.alpha=3e+38: must be at most 1000"),
     (["run-name=\"a\\u0000b\""], 2, "run-name='a\\x00b': must not contain a NUL character"),
+    # settings that would run and silently do nothing
+    (["straggler-fraction=0.9", "straggler-policy='drop'"], 2,
+     "straggler-fraction=0.9: with straggler-policy='drop' every client of a round of 2 is a straggler"),
+    (["gc.mode='hybrid'", "gc.global-layers='fc,nope'"], 2,
+     "gc.global-layers='fc,nope': 'nope' is no layer of this model (its layers: fc1, fc)"),
 ])
 def test_config_mistakes_get_one_line_and_exit_2(tmp_path, capsys, args, code, wanted):
     got, out, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL, *args)

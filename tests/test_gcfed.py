@@ -312,15 +312,15 @@ def test_global_scope_all_is_the_split_when_local_updates_are_centralized():
                                  "local-epochs": 2, "batch-size": 4})["fc1.weight"]
     old = rec(w=np.zeros(tuple(update.shape)))
     new = rec(w=update.double().numpy())
-    split = global_gc_transform("hybrid", 1.0, "fc")(old, new)  # 'w' is a local tensor: left as it is
-    every = global_gc_transform("hybrid", 1.0, "fc", scope="all")(old, new)
+    split = global_gc_transform("hybrid", 1.0, "")(old, new)  # 'w' is a local tensor: left as it is
+    every = global_gc_transform("hybrid", 1.0, "", scope="all")(old, new)
     np.testing.assert_array_equal(split["w"].numpy(), update.double().numpy())
     np.testing.assert_allclose(every["w"].numpy(), split["w"].numpy(), atol=1e-7)
     raw = fedprox_one_step(**{"gc.mode": "local", "gc.weight-decay": "raw", "weight-decay": 0.1,
                               "momentum": 0.9, "local-epochs": 2, "batch-size": 4})["fc1.weight"]
-    kept = global_gc_transform("hybrid", 1.0, "fc")(old, rec(w=raw.double().numpy()))  # 'w' local: untouched
+    kept = global_gc_transform("hybrid", 1.0, "")(old, rec(w=raw.double().numpy()))  # 'w' local: untouched
     np.testing.assert_array_equal(kept["w"].numpy(), raw.double().numpy())
-    centered = global_gc_transform("hybrid", 1.0, "fc", scope="all")(old, rec(w=raw.double().numpy()))
+    centered = global_gc_transform("hybrid", 1.0, "", scope="all")(old, rec(w=raw.double().numpy()))
     np.testing.assert_allclose(centered["w"].numpy().mean(axis=1), 0.0, atol=1e-12)
     assert float(np.abs(raw.double().numpy().mean(axis=1)).max()) > 1e-4
 

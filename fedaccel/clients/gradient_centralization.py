@@ -73,6 +73,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fedaccel.config import config_error
+
 GC_MODES = ("none", "local", "global", "hybrid", "local-only")
 VECTOR_RULES = ("keep", "mean")
 WEIGHT_DECAY_RULES = ("centralized", "raw")
@@ -143,6 +145,11 @@ def local_gc_split(
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
     count = math.floor(lam * len(names) + 1e-9)
     layers = parse_layers(global_layers)
+    unknown = [layer for layer in layers if not any(in_layers(n, (layer,)) for n in names)]
+    if unknown:  # a misspelt layer would leave the split as if it were not named
+        modules = list(dict.fromkeys(n.rsplit(".", 1)[0] for n in names))
+        raise config_error("gc.global-layers", ",".join(layers),
+                           f"{unknown[0]!r} is no layer of this model (its layers: {', '.join(modules)})")
     local = [n for i, n in enumerate(names) if i < count and not in_layers(n, layers)]
     chosen = set(local)
     return local, [n for n in names if n not in chosen]

@@ -157,7 +157,8 @@ class DataConfig:
         if not _is_int(self.synthetic_min_samples) or not 1 <= self.synthetic_min_samples <= self.synthetic_max_samples:
             raise DataError(
                 f"synthetic.min-samples={self.synthetic_min_samples!r} is invalid; it must be an "
-                f"integer in [1, synthetic.max-samples={self.synthetic_max_samples}]"
+                f"integer in [1, synthetic.max-samples={self.synthetic_max_samples}] (lower "
+                "synthetic.min-samples or raise synthetic.max-samples)"
             )
         if not _is_number(self.synthetic_size_mu) or not math.isfinite(self.synthetic_size_mu):
             raise DataError(f"synthetic.size-mu={self.synthetic_size_mu!r} is invalid; it must be a finite number")
