@@ -194,7 +194,7 @@ class RunConfig:
                 "straggler-fraction", self.straggler_fraction,
                 f"with straggler-policy='drop' every client of a round of {size} is a straggler "
                 f"(round({self.straggler_fraction:g} x {size}) = {stragglers}) and every reply is dropped, so "
-                "the model never changes; lower straggler-fraction or use straggler-policy='keep'")
+                "the model never changes; lower straggler-fraction or use straggler-policy='partial'")
         return size
 
     def lr_at(self, server_round: int) -> float:

@@ -19,6 +19,7 @@ def _overhead():
 @pytest.mark.parametrize("algo, mode", [("fedavg", "fast"), ("fedcdr", "cohort"), ("scaffold", "cohort"), ("feddc", "cohort"),
                                         pytest.param("fedcdr", "fast", marks=pytest.mark.slow),
                                         pytest.param("fedpm", "fast", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_bare_loop_and_fast_runner_reach_the_same_model(tmp_path, algo, mode):
     overhead = _overhead()
     ov = overhead.overrides("mlp-synthetic", algo, rounds=3, clients=20, run_dir=tmp_path, name=algo,

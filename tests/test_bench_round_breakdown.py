@@ -77,6 +77,7 @@ def test_a_run_that_fails_leaves_nothing_patched(monkeypatch):
     assert experiment.Experiment.on_round_end is round_end
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_an_unknown_algorithm_is_one_line_through_the_real_command():
     import subprocess
     import sys

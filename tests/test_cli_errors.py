@@ -155,6 +155,7 @@ def test_a_path_too_long_for_the_file_system_is_exit_3_in_one_line(tmp_path, cap
     (["dataset='breast-cancer'", "partition='label-sorted'", "--num-clients", "400"],
      "partition='label-sorted' leaves 371 of the 400 clients of 'breast-cancer' without samples"),
 ])
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_data_refused_after_the_run_folder_exists_leaves_no_folder(tmp_path, capsys, args, wanted):
     """A data error is found once the run folder exists (the server loads the
     data after checking that the folder can be written): exit 3, one line,
@@ -276,6 +277,7 @@ def test_flower_log_is_plain_when_not_a_terminal(tmp_path, monkeypatch):
     assert console_handler.colored is True
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_piped_error_is_one_plain_line(tmp_path):
     """The real console script, stderr to a pipe: one line, no ANSI codes, exit 2."""
     exe = Path(sys.executable).parent / "fedaccel-run"

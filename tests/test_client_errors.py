@@ -160,6 +160,7 @@ def test_corrupted_data_file_fails_one_client_and_the_run_goes_on(tmp_path, capl
                               f"round 1): node {bad_node} (partition 1): data-path=")
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_a_resumed_run_counts_a_client_error_over_the_whole_run(tmp_path, caplog, monkeypatch):
     """The error replies seen are server state: a run killed after its round-4
     checkpoint and resumed counts the corrupted client's failures over all 6

@@ -541,6 +541,7 @@ def test_local_test_split_sizes(fraction):
         assert len(cd.y_train) == n - len(cd.y_test)
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the full suite runs it
 def test_one_sample_clients_have_empty_test_split():
     fd = load_federated(DataConfig(dataset="digits", num_clients=1437, partition="iid",
                                    local_test_fraction=0.5))

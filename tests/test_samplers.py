@@ -284,11 +284,32 @@ def test_partial_policy_uses_straggler_replies():
     assert log.dropped == 0 and len(log.stragglers) == 2
 
 
-def test_drop_policy_all_stragglers_keeps_model():
-    strategy = build("fedavg", **{"straggler-fraction": 0.9, "local-epochs": 4})
-    out, _, log = _straggler_round(strategy)
-    assert len(log.stragglers) == 4 and log.dropped == 4
-    assert out is None
+def test_a_drop_policy_that_makes_every_client_a_straggler_is_refused():
+    """straggler-fraction 0.9 of 4 clients a round is 4 stragglers: with
+    'drop' every reply of every round would be dropped and the model never
+    change, so the run is refused in one line before its first round."""
+    from fedaccel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="every client of a round of 4 is a straggler"):
+        build("fedavg", **{"straggler-fraction": 0.9, "local-epochs": 4})
+    build("fedavg", **{"straggler-fraction": 0.9, "local-epochs": 4, "straggler-policy": "partial"})  # used
+
+
+def test_drop_policy_keeps_the_model_when_only_straggler_replies_came():
+    """The non-stragglers of a round failed, the stragglers' replies are
+    dropped: no reply is left, the model stays as it was (None), with a
+    warning."""
+    from test_strategy_base import error_reply
+
+    strategy = build("fedavg", **STRAG)
+    msgs = configure(strategy, 1, ArrayRecord({"w": Array(np.zeros(2))}))
+    pid = {node: p for p, node in NODES8.items()}
+    stragglers = strategy.rounds[1].stragglers
+    replies = [model_reply(m, [1.0, 2.0]) if pid[m.metadata.dst_node_id] in stragglers else error_reply(m)
+               for m in msgs]
+    out, _ = strategy.aggregate_train(1, replies)
+    log = strategy.rounds[1]
+    assert len(log.stragglers) == 2 and log.dropped == 2 and out is None
 
 
 @pytest.mark.parametrize("algo", ["fedcdr", "feddr"])
