@@ -39,7 +39,9 @@ LARGEST_INTEGER = 2**31 - 1
 def number_problem(value: Any) -> str | None:
     """Why ``value`` is not a usable run-config number (one phrase), or None:
     not a number, not finite, or larger in magnitude than a float32 holds."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "must be a finite number"
+    if isinstance(value, float) and not math.isfinite(value):  # (an int of any size is finite; isfinite overflows)
         return "must be a finite number"
     if abs(value) > LARGEST_NUMBER:
         return f"must be a finite number of at most {LARGEST_NUMBER:.4g} in magnitude (a float32)"

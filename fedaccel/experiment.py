@@ -157,8 +157,6 @@ class Experiment:
         dataset = load_data(data_config_for(cfg, federation.num_clients))
         self.device = select_device(cfg.device, cfg.tf32)
         self.model = build_model_for(cfg, dataset).to(self.device)
-        # gc.global-layers naming no layer of this model: refused now, not by every client in round 1
-        gc_partition(cfg.gc.mode, [n for n, _ in self.model.named_parameters()], cfg.gc.lam, cfg.gc.global_layers)
         self.test_x = torch.from_numpy(dataset.test_x).to(self.device)
         self.test_y = torch.from_numpy(dataset.test_y).to(self.device)
         self.strategy = self.spec.build_strategy(cfg, federation)
@@ -333,28 +331,46 @@ def refuse_on_flower(cfg: RunConfig) -> None:
                            "fedaccel-run or fedaccel-sweep")
     if cfg.checkpoint_every and cfg.stateful_clients and cfg.client_state != "disk":
         raise config_error("checkpoint-every", cfg.checkpoint_every, f"algo='{cfg.algo}' {STATEFUL_ON_FLOWER}")
-    refuse_unbatchable(cfg)
+    refuse_by_model(cfg)
 
 
-def refuse_unbatchable(cfg: RunConfig) -> None:
-    """``cohort-batching='on'`` for a run whose clients cannot train as one
-    batched model: refused in one line before any work (the fast runner's
-    ``--check`` too, and the server of a ``flwr run`` before it asks its
-    nodes anything), for the reasons the trainer itself would give
-    (:func:`fedaccel.clients.cohort.fallback_reason`: the algorithm's local
-    solver, a model with buffers or dropout), read from
-    the config and the model it names, built on the CPU without data."""
-    if cfg.cohort_batching != "on":
-        return
+def refuse_by_model(cfg: RunConfig) -> None:
+    """What a run refuses from its config and the model it names, built on
+    the CPU without data, before any work (the fast runner's ``--check`` and
+    preflight, a study's cells, the server of a ``flwr run`` before it asks
+    its nodes anything): :func:`refuse_unbatchable`, and a
+    ``gc.global-layers`` naming no layer of the model (the run's own check
+    would come only once the data is loaded)."""
+    model = _named_model(cfg) if cfg.cohort_batching == "on" or cfg.gc.mode in ("hybrid", "local-only") else None
+    refuse_unbatchable(cfg, model)
+    if model is not None and any(True for _ in model.parameters()):
+        gc_partition(cfg.gc.mode, [n for n, _ in model.named_parameters()], cfg.gc.lam, cfg.gc.global_layers)
+
+
+def _named_model(cfg: RunConfig) -> torch.nn.Module:
+    """The model ``cfg`` names for its dataset, built on the CPU without data
+    and without moving the run's seeding; an empty module where it cannot be
+    built (the run itself refuses that later, in its own words)."""
     shape, classes, _ = DATASET_SPECS.get(cfg.dataset, (None, 0, False))
-    model = torch.nn.Module()  # a model this cannot build is refused later, by the run, as before
     if shape is not None:
         try:
             with torch.random.fork_rng(devices=[]):  # the run's seeding is not ours to move
-                model = build_model(model_name(cfg), tuple(shape), classes)
+                return build_model(model_name(cfg), tuple(shape), classes)
         except Exception:  # noqa: BLE001 - only what the run itself would refuse
             pass
-    reason = fallback_reason(get_algorithm(cfg.algo).solver(cfg), cfg, model)
+    return torch.nn.Module()
+
+
+def refuse_unbatchable(cfg: RunConfig, model: torch.nn.Module | None = None) -> None:
+    """``cohort-batching='on'`` for a run whose clients cannot train as one
+    batched model: refused in one line before any work, for the reasons the
+    trainer itself would give (:func:`fedaccel.clients.cohort.fallback_reason`:
+    the algorithm's local solver, a model with buffers or dropout), read from
+    the config and ``model`` (default: the one it names, :func:`_named_model`)."""
+    if cfg.cohort_batching != "on":
+        return
+    reason = fallback_reason(get_algorithm(cfg.algo).solver(cfg), cfg,
+                             model if model is not None else _named_model(cfg))
     if reason:
         raise unbatchable_error(reason)
 

@@ -292,16 +292,17 @@ def resume_config(where: str, overrides: dict[str, Any], num_clients: int | None
 
 def preflight(run_config: dict[str, Any], num_clients: int) -> tuple[RunConfig, int]:
     """What a run refuses before any work (the config, cohort-batching='on'
-    for a run that cannot be batched, the cohort size, the memory, the
+    for a run that cannot be batched, gc.global-layers that name no layer
+    of the model, the cohort size, the memory, the
     tracker): the typed config and the number of clients (``logical-clients``
     when the nodes serve that many, else ``num_clients``)."""
-    from fedaccel.experiment import refuse_unbatchable
+    from fedaccel.experiment import refuse_by_model
     from fedaccel.memory import require_memory
     from fedaccel.run_config import parse_run_config
     from fedaccel.trackers import require_tracker
 
     cfg = parse_run_config(run_config)
-    refuse_unbatchable(cfg)
+    refuse_by_model(cfg)
     clients = cfg.logical_clients or num_clients
     cfg.cohort_size(clients)
     require_memory(cfg, clients)

@@ -78,9 +78,9 @@ from fedaccel.config import ConfigError
 from fedaccel.errors import CheckpointError, ResultsDirError
 from fedaccel.processes import process_record, record_alive, stop_on_sigint
 from fedaccel.results import STATUS_FILE, SUMMARY_FILE, run_finished
-from flwr.common.config import flatten_dict
 
-from fedaccel.local_run import DEFAULT_NUM_CLIENTS, Yaml12Loader, default_run_config, fuse, load_yaml_config
+from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, Yaml12Loader, default_run_config, flat_config, fuse,
+                                load_yaml_config)
 
 PROG = "fedaccel-sweep"
 STUDY_KEYS = ("name", "results-dir", "num-clients", "config", "base", "variants", "grid", "random", "seeds")
@@ -285,16 +285,9 @@ def expand(variants: list[dict[str, Any]], grid: list[tuple[str, list[Any]]], se
 
 
 def _flat(path: Path, what: str, mapping: dict[Any, Any]) -> dict[str, Any]:
-    """A mapping of run-config keys (nested tables allowed) as dotted keys."""
-    try:
-        flat = flatten_dict(mapping)
-    except ValueError as err:  # Flower's message for a value that is no run-config value
-        raise ConfigError(f"{path}: {what}: {err}") from None
-    bad = [k for k in flat if not isinstance(k, str)]
-    if bad:
-        raise ConfigError(f"{path}: {what}: {bad[0]!r} is not a run-config key (keys are names, "
-                          "e.g. lr or fedprox.mu)")
-    return flat
+    """A mapping of run-config keys (nested tables allowed) as dotted keys,
+    refused as a ``--config`` file's are (:func:`fedaccel.local_run.flat_config`)."""
+    return flat_config(mapping, f"{path}: {what}")
 
 
 def crossed_variants(path: Path, spec: Any) -> list[dict[str, Any]]:
@@ -383,14 +376,14 @@ def cell_run_config(study: Study, shared: dict[str, Any], cell: Cell) -> dict[st
 def check_cells(study: Study, shared: dict[str, Any]) -> list[dict[str, Any]]:
     """Every cell's run config, validated; all invalid cells in one error."""
     from fedaccel.errors import USER_ERRORS
-    from fedaccel.experiment import refuse_unbatchable
+    from fedaccel.experiment import refuse_by_model
     from fedaccel.run_config import parse_run_config
 
     configs, problems = [], []
     for cell in study.cells:
         try:
             config = cell_run_config(study, shared, cell)
-            refuse_unbatchable(parse_run_config(config))
+            refuse_by_model(parse_run_config(config))
             configs.append(config)
         except USER_ERRORS as err:
             problems.append(f"  {cell.name}: {err}")

@@ -741,13 +741,14 @@ def test_the_batch_plan_draws_each_clients_crops_in_its_own_loops_order() -> Non
 
 @pytest.mark.parametrize("algo, name, changes", [
     ("fedavg", "mlp", {"momentum": 0.9}), ("scaffold", "mlp", {}), ("fedcdr", "mlp", {}),
-    ("fedpm", "mlp", {"fedpm.upload": "end"}), ("fedprox", "cnn-small", {})])
+    ("fedpm", "mlp", {"fedpm.upload": "end", "fedpm.foof-samples": 3}), ("fedprox", "cnn-small", {})])
 def test_an_augmented_round_equals_the_per_client_round(algo: str, name: str, changes: dict) -> None:
     """CIFAR's augmentation batched: each client's random crops and flips
     drawn as its own loop draws them, so two batched rounds (state read in
     the second) equal the per-client rounds to float32 rounding, ragged
-    sizes, the MLP's written-out pass and a CNN through ``vmap`` included;
-    and the crops are applied (the same rounds without augmentation differ)."""
+    sizes, the MLP's written-out pass and a CNN through ``vmap`` included
+    (FedPM draws its FOOF rows from the same generator first); and the
+    crops are applied (the same rounds without augmentation differ)."""
     cfg = run_cfg(algo, **{"batch-size": 16, **changes})
     model = make_model(name=name, shape=(3, 8, 8))
     datas, plain = image_clients(), image_clients(augment=False)

@@ -142,6 +142,24 @@ def _fedcdr(monkeypatch, table):
                           fraction=0.9, policy="partial")
 
 
+@pytest.mark.parametrize("argv", [[], ["--quick"]])
+def test_every_table8_run_of_the_bench_passes_what_a_run_refuses_first(monkeypatch, argv):
+    """Each straggler run of bench/fedcdr_table1.py, full and --quick, passes
+    the fast runner's preflight: with --quick's 20 clients a tenth a round
+    (2) would make 90 % stragglers every client of a round, which 'drop'
+    refuses (every reply dropped); --quick takes 6 a round."""
+    from fedaccel.local_run import default_run_config, fuse, preflight
+
+    bench = _bench(monkeypatch, "fedcdr_table1")
+    args = bench.parse_args(argv)
+    for method in bench.METHODS:
+        for fraction in bench.FRACTIONS:
+            for policy in ("drop", "partial"):
+                run = bench.make_run(args, "table8", method, "(1,1)", 0, args.rounds, lr=0.01, mu=0.001, eta=100.0,
+                                     alpha=args.alpha, prox_start="server", fraction=fraction, policy=policy)
+                preflight(fuse(default_run_config(), run["overrides"]), run["num_clients"])
+
+
 def _gradient_correction(monkeypatch):
     bench = _bench(monkeypatch, "gradient_correction")
     return bench.make_run(bench.parse_args([]), "FedRKMGC (w Re & fast KM)", 0.3, 0)

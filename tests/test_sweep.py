@@ -442,7 +442,7 @@ def test_a_run_file_is_found_next_to_the_study_and_bad_paths_get_one_line(tmp_pa
         assert err.startswith("fedaccel-sweep: error: ") and "\n" not in err
     path.write_text(yaml.safe_dump({"variants": [{1: 2}]}))
     assert main([str(path)]) == 2
-    assert "1 is not a run-config key" in capsys.readouterr().err
+    assert "key 1 is not a string; run-config keys are names" in capsys.readouterr().err
 
 
 def test_a_damaged_plan_is_one_line(tmp_path, capsys) -> None:

@@ -411,8 +411,9 @@ def cohort_chunk(rt: ClientRuntime) -> int:
     device the clients train on (the GPU's own on CUDA, not the host's)."""
     if rt.cfg.cohort_chunk > 0:
         return rt.cfg.cohort_chunk
-    # a mini-batch holds at most a client's samples (the trainer's batches too), at most the pool's
-    rows = rt.train.pool.x.shape[0] if rt.train.pool is not None else rt.train.num_examples
+    # a mini-batch holds at most the samples of the pool every client's rows come from (the trainer pads
+    # to the largest client's); without a pool this client's size says nothing of the others'
+    rows = rt.train.pool.x.shape[0] if rt.train.pool is not None else rt.cfg.batch_size
     return chunk_size(rt.model, rt.train.x.new_zeros(rt.train.x.shape[1:]), max(1, min(rt.cfg.batch_size, rows)),
                       available_bytes_on(rt.train.x.device), extra=rt.solver.cohort_bytes(rt.model))
 

@@ -298,12 +298,14 @@ def no_input_rows() -> ConfigError:
 def preconditioner_error(matrix: torch.Tensor, damping: float, algo: str = "fedpm") -> ConfigError:
     """The error of a client's preconditioner ``matrix`` whose damped form has
     no Cholesky factor: NaN or inf entries (non-finite values in the
-    client's data or in the model it received, which no damping mends),
+    client's data, the model it received, or its own diverged steps when the
+    matrix is formed mid-round, which no damping mends),
     else :func:`not_positive_definite`."""
     if not bool(torch.isfinite(matrix).all()):
         return ConfigError(
             f"{algo}: preconditioner of size {matrix.shape[-1]} has NaN or inf entries: this client's training "
-            "data or the model it received holds non-finite values (no damping can mend that); check the data")
+            "data, the model it received or its own local steps (diverged: lower lr) hold non-finite values; no "
+            "damping can mend that")
     return not_positive_definite(matrix.shape[-1], damping, algo)
 
 
