@@ -281,22 +281,24 @@ def _batch_plan(members: list[CohortMember], epochs: int, batch_size: int, devic
     start = np.cumsum([0, *active[:-1]], dtype=np.int64)
     client = np.repeat(np.arange(len(members)), steps)
     step = np.arange(len(plan)) - np.repeat(first[:-1], steps)
-    index = np.empty_like(plan)
-    index[start[step] + client] = plan
+    row_of = start[step] + client  # each client-major row's place in the step-major layout
+
+    def step_major(values: np.ndarray) -> np.ndarray:
+        """``values``, one per slot client-major as ``plan``, in the step-major layout."""
+        values = values.reshape(-1, batch_size)
+        out = np.empty_like(values)
+        out[row_of] = values
+        return out
+
+    index = step_major(plan)
     real = index >= 0
     # a padded slot reads its own row's first sample (always real): the
     # padding's zero weight cancels a finite value only, so a slot that read
     # another client's sample (index 0) let that client's NaN or inf into this
     # one's gradient and loss (0 * NaN); its own sample is one it trains on anyway
     index = np.where(real, index, index[:, :1])
-    crops = None
-    if augmented:  # into the step-major layout of index
-        crops = []
-        for values in (dys, dxs, flips):
-            step_major = np.empty_like(values.reshape(-1, batch_size))
-            step_major[start[step] + client] = values.reshape(-1, batch_size)
-            crops.append(torch.from_numpy(step_major).to(device))
-        crops = tuple(crops)
+    crops = (tuple(torch.from_numpy(step_major(values)).to(device) for values in (dys, dxs, flips))
+             if augmented else None)
     return (torch.from_numpy(index).to(device), torch.from_numpy(real).float().to(device), active.tolist(), steps,
             crops)
 
