@@ -311,12 +311,45 @@ def preflight(run_config: dict[str, Any], num_clients: int) -> tuple[RunConfig, 
 
 
 def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
-    """``--check``: what a run refuses before any work, without the run."""
-    _, clients = preflight(run_config, num_clients)
+    """``--check``: what a run refuses before any work (:func:`preflight`),
+    then what it refuses once it looks at this machine and the data
+    (:func:`check_data_and_model`), without the run: a config ``--check``
+    passes is not refused by the run for its config, its device, its data
+    files, its partition or its model."""
+    cfg, clients = preflight(run_config, num_clients)
     defaults = default_run_config()
     changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
                        for k, v in run_config.items() if defaults.get(k) != v)  # as flwr run's --run-config
+    summary = check_data_and_model(cfg, clients)
     print(f"fedaccel-run: run config OK for {clients} clients" + (f": {changed}" if changed else " (all defaults)"))
+    print(f"fedaccel-run: data and model OK: {summary}")
+
+
+def check_data_and_model(cfg: RunConfig, clients: int) -> str:
+    """What the run refuses once it starts, checked with the run's own code:
+    ``device='cuda'`` without a visible GPU (:func:`require_visible_device`),
+    the data (:func:`fedaccel.runtime.load_data` on the run's data settings:
+    missing or corrupt files, more clients than samples, a partition that
+    cannot be drawn) and a model that cannot take the data's inputs
+    (:func:`fedaccel.models.build_model`). Returns one line saying what was
+    found (dataset, clients' training samples, model size)."""
+    import torch
+
+    from fedaccel.models import build_model
+    from fedaccel.runtime import data_config_for, load_data, model_name
+    from fedaccel.torch_utils import require_visible_device
+
+    require_visible_device(cfg.device)
+    dataset = load_data(data_config_for(cfg, clients))
+    name = model_name(cfg)
+    with torch.random.fork_rng(devices=[]):  # nothing of the caller's seeding moves
+        model = build_model(name, tuple(dataset.input_shape), dataset.num_classes)
+    sizes = dataset.train_sizes()
+    parameters = sum(p.numel() for p in model.parameters())
+    return (f"{dataset.name}: {sum(sizes):,} training samples over {dataset.num_clients} clients "
+            f"({min(sizes):,} to {max(sizes):,} each), {len(dataset.test_y):,} test samples; "
+            f"model {name} ({parameters:,} parameters) for inputs {tuple(dataset.input_shape)} "
+            f"and {dataset.num_classes} classes")
 
 
 EXIT_CODES_HELP = """exit codes:
@@ -349,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpoint file given, with the run's own config (docs/checkpoints.md)")
     parser.add_argument("--list", action="store_true", help="list the algorithms and exit")
     parser.add_argument("--check", action="store_true",
-                        help="check the run config (and the memory for --num-clients) and exit without running; "
+                        help="check the run config, the memory for --num-clients, the device, the data "
+                             "(loaded and partitioned as the run does) and the model, and exit without training; "
                              "flwr run drops a --run-config token that is not key=value, this refuses it")
     parser.add_argument("--quiet", action="store_true",
                         help="no per-round progress lines (the results folder is still printed)")

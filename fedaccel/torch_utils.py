@@ -13,6 +13,13 @@ from fedaccel.arrays import payload_size, tensors_to_record
 from fedaccel.config import config_error
 
 
+def require_visible_device(name: str) -> None:
+    """``device='cuda'`` where this process sees no GPU: a :class:`ConfigError`
+    (what :func:`select_device` refuses, checked alone by ``fedaccel-run --check``)."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise config_error("device", name, "no CUDA device is visible here; use 'auto' or 'cpu'")
+
+
 def select_device(name: str, tf32: bool = False) -> torch.device:
     """``auto`` picks CUDA when a GPU is visible to this process, else CPU.
 
@@ -23,8 +30,7 @@ def select_device(name: str, tf32: bool = False) -> torch.device:
     on a CPU: on an H200, one batched round of the McMahan CNN differed from
     the same round client by client by up to 1.6e-3 with cuDNN's TF32 and
     7.3e-5 without (docs/cohort-batching-measurements.md, "Measured on a GPU")."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise config_error("device", name, "no CUDA device is visible here; use 'auto' or 'cpu'")
+    require_visible_device(name)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":
         torch.backends.cudnn.allow_tf32 = tf32

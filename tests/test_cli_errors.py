@@ -346,12 +346,57 @@ def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedprox' lr=0.02 results-dir='{tmp_path}'")
     assert code == 0 and err == ""
     assert out.splitlines() == [f"fedaccel-run: run config OK for 20 clients: algo='fedprox' lr=0.02 "
-                                f"results-dir='{tmp_path}'"]
+                                f"results-dir='{tmp_path}'",
+                                "fedaccel-run: data and model OK: synthetic: 3,347 training samples over 20 "
+                                "clients (40 to 800 each), 838 test samples; model mlp (2,282 parameters) for "
+                                "inputs (60,) and 10 classes"]
     code, out, err = run_cli(capsys, "--check", "--run-config", f"algo='fedavg' lr results-dir='{tmp_path}'")
     assert code == 2 and out == "" and "--run-config: 'lr' is not key=value" in one_error_line(err)
     code, _, err = run_cli(capsys, "--check", "clients-per-round=30", f"results-dir='{tmp_path}'")
     assert code == 2 and "exceeds the 20 clients" in one_error_line(err)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args,code,wanted", [
+    (["device='cuda'"], 2, "device='cuda': no CUDA device is visible here"),
+    (["dataset='mnist'", "data-dir='{missing}'"], 3, "mnist file {missing}/train-images-idx3-ubyte.gz"),
+    (["dataset='fashion-mnist'", "data-dir='{missing}'"], 3, "fashion-mnist file {missing}/train-images"),
+    (["dataset='digits'", "--num-clients", "1500"], 3, "num-clients=1500 exceeds the 1437 training samples"),
+    (["dataset='digits'", "partition='label-sorted'", "--num-clients", "100"], 3,
+     "partition='label-sorted' leaves 43 of the 100 clients of 'digits' without samples"),
+    (["model='cnn'"], 2, "model: 'cnn' cannot take input_shape (60,)"),
+])
+def test_check_refuses_what_the_run_refuses_once_it_starts(tmp_path, capsys, args, code, wanted):
+    """``--check`` loads the data and builds the model as the run does: a
+    run it passes is not refused for its device, data files, client count,
+    partition or model. Each case: ``--check`` and the run itself exit with
+    the same code and the same one line."""
+    if "device='cuda'" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible: device='cuda' is valid here")
+    missing = tmp_path / "no-data"
+    args = [a.format(missing=missing) for a in args]
+    wanted = wanted.format(missing=missing)
+    small = ["num-server-rounds=1", "local-epochs=1", "accl-every=0", "clients-per-round=2"]
+    check_code, out, err = run_cli(capsys, "--check", *small, *args)
+    line = one_error_line(err)
+    assert (check_code, out) == (code, "") and wanted in line
+    results = tmp_path / "results"
+    run_code, _, err = run_cli(capsys, f"results-dir='{results}'", *small, *args)
+    assert run_code == code and one_error_line(err) == line
+
+
+def test_check_says_what_data_and_model_it_found(capsys):
+    """A passing ``--check`` names the data it loaded and the model it built
+    (here digits' 8x8 images for the CNN, which the config alone cannot tell)."""
+    code, out, err = run_cli(capsys, "--check", "dataset='digits'", "model='cnn-small'", "clients-per-round=7",
+                                  "--num-clients", "7")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1] == ("fedaccel-run: data and model OK: digits: 1,150 training samples over 7 clients "
+                                   "(164 to 165 each), 360 test samples; model cnn-small (31,050 parameters) "
+                                   "for inputs (1, 8, 8) and 10 classes")
 
 
 @pytest.mark.slow  # five fresh interpreters, ~10 s: the same checks run in-process in the quick tier
