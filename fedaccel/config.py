@@ -39,6 +39,14 @@ LARGEST_INTEGER = 2**31 - 1
 def number_problem(value: Any) -> str | None:
     """Why ``value`` is not a usable run-config number (one phrase), or None:
     not a number, not finite, or larger in magnitude than a float32 holds."""
+    if isinstance(value, str):
+        try:  # (float() would also take 1_0, which TOML would not read as 10 here either)
+            as_number = float(value) if "_" not in value else None
+        except ValueError:
+            as_number = None
+        if as_number is not None and math.isfinite(as_number):  # '.1', '1.', quoted '0.1': read as text
+            return (f"must be a finite number, and this one was read as text: write it as a TOML number, "
+                    f"without quotes and with a digit on each side of a point (e.g. {as_number!r})")
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "must be a finite number"
     if isinstance(value, float) and not math.isfinite(value):  # (an int of any size is finite; isfinite overflows)

@@ -15,6 +15,7 @@ Values use ``flwr run --run-config`` syntax (TOML); a bare word such as
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import sys
@@ -87,14 +88,28 @@ def parse_run_config_string(text: str) -> dict[str, Any]:
     if leftover:
         raise ConfigError(f"--run-config: {' '.join(leftover)!r} is not key=value "
                           "(e.g. --run-config \"algo='fedprox' fedprox.mu=0.1\")")
-    for key, value in _PAIR.findall(text):
+    for key, value in _PAIR.findall(text):  # a key given twice: the last wins, as in flwr run
         try:
             out[key] = tomli.loads(f"v = {value}")["v"]
         except tomli.TOMLDecodeError:
+            number = _number_in_text(value)
+            if number is not None:  # .1, 1., +.5: numbers TOML does not read
+                raise ConfigError(f"--run-config: {key}={value} is not a TOML value: write the number with a "
+                                  f"digit on each side of its point ({key}={number!r})") from None
             raise ConfigError(
                 f"--run-config: {key}={value} is not a TOML value: quote strings "
                 f"({key}='{value.strip(chr(39) + chr(34))}'); numbers and true/false stay bare") from None
     return out
+
+
+def _number_in_text(text: str) -> float | None:
+    """The finite number ``text`` spells for Python's ``float`` (``.1``,
+    ``1.``), or None (underscores left out: TOML and Python place them differently)."""
+    try:
+        number = float(text) if "_" not in text else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 class Yaml12Loader(yaml.SafeLoader):
@@ -156,7 +171,10 @@ def flat_config(loaded: dict, source: str) -> dict[str, Any]:
 
 
 def parse_overrides(tokens: list[str], run_config: str | None, yaml_file: str | None) -> dict[str, Any]:
-    """Merge a YAML file, ``--run-config`` string and ``key=value`` tokens (later wins)."""
+    """Merge a YAML file, ``--run-config`` string and ``key=value`` tokens
+    (later wins: a token over the string over the file, and within the
+    string or the tokens a key's last value, as ``flwr run`` reads a
+    ``--run-config`` string; scripts append tokens to override a base)."""
     out: dict[str, Any] = {}
     if yaml_file:
         out.update(load_yaml_config(yaml_file))

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from fedaccel.clients.gradient_centralization import GLOBAL_SCOPES, VECTOR_RULES, WEIGHT_DECAY_RULES
 from fedaccel.clients.state import CLIENT_STATES
-from fedaccel.data import DATASETS, PARTITIONS
+from fedaccel.data import DATASETS, PARTITIONS, DataConfig
 from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX
 from fedaccel.config import (
     COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
@@ -236,6 +236,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
 
     sampler = _string(cfg, "sampler", CHOICES["sampler"])
     straggler_policy = _string(cfg, "straggler-policy", CHOICES["straggler-policy"])
+    tracker, tracker_uri = _string(cfg, "tracker", CHOICES["tracker"]), _string(cfg, "tracker-uri")
+    _refuse_settings_without_effect(cfg, dataset, partition, tracker, tracker_uri)
     cohort_batching = _string(cfg, "cohort-batching", CHOICES["cohort-batching"])
     cohort_chunk = _integer(cfg, "cohort-chunk", 0)
     require(not (cohort_chunk and cohort_batching == "off"), "cohort-chunk", cohort_chunk,
@@ -281,8 +283,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         logical_clients=_integer(cfg, "logical-clients", 0),
         checkpoint_every=_integer(cfg, "checkpoint-every", 0),
         resume=_string(cfg, "resume"),
-        tracker=_string(cfg, "tracker", CHOICES["tracker"]),
-        tracker_uri=_string(cfg, "tracker-uri"),
+        tracker=tracker,
+        tracker_uri=tracker_uri,
         precision=precision,
         init=init,
         init_noise=init_noise,
@@ -291,6 +293,40 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
         gc=gc,
         raw=dict(cfg),
     )
+
+
+#: the ``synthetic.*`` keys and their defaults (:class:`SyntheticConfig`'s, pyproject's)
+SYNTHETIC_DEFAULTS = {f"synthetic.{name.replace('_', '-')}": getattr(SyntheticConfig, name)
+                      for name in SyntheticConfig.__dataclass_fields__}
+#: the partitions whose client split ``dirichlet-alpha`` draws
+DIRICHLET_PARTITIONS = ("dirichlet", "dirichlet-unbalanced", "label-sorted")
+
+
+def _refuse_settings_without_effect(cfg: Mapping[str, Any], dataset: str, partition: str, tracker: str,
+                                    tracker_uri: str) -> None:
+    """Refuse a data or tracker key set away from its default where this run
+    would ignore it, as another algorithm's hyperparameters are
+    (:func:`_refuse_other_algorithms_keys`; the run config always holds every
+    key, so a key is the user's only when it differs from the default):
+    ``dirichlet-alpha`` without a Dirichlet-drawn partition, a
+    ``synthetic.*`` key with another dataset, ``tracker-uri`` with
+    ``tracker='none'``."""
+    resolved = partition if partition != "auto" else ("natural" if dataset == "synthetic" else "dirichlet")
+    if resolved not in DIRICHLET_PARTITIONS and cfg["dirichlet-alpha"] != DataConfig.dirichlet_alpha:
+        why = ("; dataset='synthetic' is generated client by client, its heterogeneity set by synthetic.alpha "
+               "and synthetic.beta" if dataset == "synthetic" else "")
+        raise config_error("dirichlet-alpha", cfg["dirichlet-alpha"],
+                           f"draws the split of partition='dirichlet', 'dirichlet-unbalanced' or 'label-sorted', "
+                           f"which this run does not use (its partition is '{resolved}'){why}: remove it"
+                           + ("" if dataset == "synthetic" else ", or set partition='dirichlet'"))
+    if dataset != "synthetic":
+        for key, default in SYNTHETIC_DEFAULTS.items():
+            if key in cfg and cfg[key] != default:
+                raise config_error(key, cfg[key], "sets the generated data of dataset='synthetic', which this run "
+                                   f"does not use (dataset='{dataset}'): remove it, or set dataset='synthetic'")
+    if tracker == "none" and tracker_uri:
+        raise config_error("tracker-uri", tracker_uri, "is where tracker='tensorboard' or 'mlflow' writes, and this "
+                           "run has tracker='none': remove it, or set tracker")
 
 
 def _optimum_keys(cfg: Mapping[str, Any], model: str, dataset: str, wd: float) -> tuple[str, float, bool]:

@@ -19,6 +19,8 @@ from fedaccel.local_run import default_run_config, fuse, main
 
 SMALL = ["num-server-rounds=1", "clients-per-round=2", "local-epochs=1", "accl-every=0",
          "synthetic.max-samples=60", "--num-clients", "3"]
+# for any dataset (a synthetic.* key with another one is refused), without --num-clients
+SMALL_ANY_DATA = SMALL[:-3]
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -65,6 +67,26 @@ def one_error_line(err: str) -> str:
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
+    (["--run-config", "momentum=.9"], 2, "--run-config: momentum=.9 is not a TOML value: write the number with a "
+                                         "digit on each side of its point (momentum=0.9)"),
+    (["--run-config", "name=x"], 2, "--run-config: name=x is not a TOML value: quote strings (name='x')"),
+    (["lr=.1"], 2, "lr='.1': must be a finite number, and this one was read as text: write it as a TOML number, "
+                   "without quotes and with a digit on each side of a point (e.g. 0.1)"),
+    (["algo='fedprox'", "fedprox.mu='1.'"], 2, "fedprox.mu='1.': must be a finite number, and this one was read "
+                                               "as text"),
+    (["lr='fast'"], 2, "lr='fast': must be a finite number"),
+    (["dirichlet-alpha=0.1"], 2, "dirichlet-alpha=0.1: draws the split of partition='dirichlet', "
+                                 "'dirichlet-unbalanced' or 'label-sorted', which this run does not use (its "
+                                 "partition is 'natural'); dataset='synthetic' is generated client by client"),
+    (["dataset='digits'", "partition='iid'", "dirichlet-alpha=0.1"], 2,
+     "dirichlet-alpha=0.1: draws the split of partition='dirichlet', 'dirichlet-unbalanced' or 'label-sorted', "
+     "which this run does not use (its partition is 'iid'): remove it, or set partition='dirichlet'"),
+    (["dataset='digits'", "synthetic.alpha=0.5"], 2,
+     "synthetic.alpha=0.5: sets the generated data of dataset='synthetic', which this run does not use "
+     "(dataset='digits'): remove it, or set dataset='synthetic'"),
+    (["dataset='breast-cancer'", "synthetic.iid=true"], 2, "synthetic.iid=true: sets the generated data"),
+    (["tracker-uri='runs/tb'"], 2, "tracker-uri='runs/tb': is where tracker='tensorboard' or 'mlflow' writes, "
+                                   "and this run has tracker='none'"),
     (["algo='feddc'", "feddc.alpha=0"], 2, "feddc.alpha=0.0: must be > 0"),
     (["algo='feddc'", "feddc.cv-update='bogus'"], 2, "feddc.cv-update='bogus': allowed: mean-gradient, option-ii"),
     (["algo='scaffold'", "scaffold.cv-update='bogus'"], 2,
@@ -160,7 +182,7 @@ def test_data_refused_after_the_run_folder_exists_leaves_no_folder(tmp_path, cap
     """A data error is found once the run folder exists (the server loads the
     data after checking that the folder can be written): exit 3, one line,
     and the empty run folder is removed again."""
-    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL[:-2], *args)
+    code, _, err = run_cli(capsys, f"results-dir='{tmp_path}'", *SMALL_ANY_DATA, *args)
     assert code == 3 and wanted in one_error_line(err)
     assert not any(tmp_path.iterdir())
 
@@ -172,7 +194,7 @@ def test_a_refused_run_leaves_an_existing_run_folder_alone(tmp_path, capsys):
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
     code, _, _ = run_cli(capsys, f"results-dir='{tmp_path}'", "run-name='mine'", "dataset='digits'",
-                         *SMALL[:-2], "--num-clients", "5000")
+                         *SMALL_ANY_DATA, "--num-clients", "5000")
     assert code == 3 and [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
@@ -388,6 +410,19 @@ def test_check_refuses_what_the_run_refuses_once_it_starts(tmp_path, capsys, arg
     assert run_code == code and one_error_line(err) == line
 
 
+@pytest.mark.parametrize("args", [
+    ["dataset='digits'", "dirichlet-alpha=0.1"],  # the default partition of an image set is Dirichlet's
+    ["dataset='breast-cancer'", "partition='label-sorted'", "dirichlet-alpha=2.0"],
+    ["dataset='digits'", "partition='iid'", "dirichlet-alpha=0.3"],  # the default value: not the user's
+    ["synthetic.alpha=0.5", "synthetic.iid=true"],
+])
+def test_keys_that_this_run_uses_are_accepted(capsys, args):
+    """The refusal of keys a run would ignore refuses only those: each of
+    these sets a key that the run reads (or leaves it at its default)."""
+    code, _, err = run_cli(capsys, "--check", *args)
+    assert (code, err) == (0, "")
+
+
 def test_check_says_what_data_and_model_it_found(capsys):
     """A passing ``--check`` names the data it loaded and the model it built
     (here digits' 8x8 images for the CNN, which the config alone cannot tell)."""
@@ -418,7 +453,7 @@ def test_the_console_script_answers_each_kind_in_one_plain_line(tmp_path, case):
         "memory": (["--num-clients", "100000000"], 3, "100,000,000 clients need about"),
         "data": (["dataset='digits'", "--num-clients", "5000"], 3, "exceeds the 1437 training samples"),
     }[case]
-    proc = subprocess.run([str(exe), f"results-dir='{results}'", *SMALL[:-2], *args],
+    proc = subprocess.run([str(exe), f"results-dir='{results}'", *SMALL_ANY_DATA, *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert proc.stdout == "" and "\x1b[" not in proc.stderr and "Traceback" not in proc.stderr

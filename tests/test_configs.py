@@ -108,17 +108,17 @@ def test_precedence_file_then_run_config_then_tokens():
 
 def test_smallest_file_runs_end_to_end_and_tokens_override_it(tmp_path):
     file_values = parse_overrides([], None, str(SMALLEST))
-    tokens = ["num-server-rounds=1", "synthetic.max-samples=60", f"results-dir='{tmp_path}'",
+    tokens = ["num-server-rounds=1", "lr=0.5", f"results-dir='{tmp_path}'",
               "run-name='from-yaml'"]
     cfg = fuse(default_run_config(), parse_overrides(tokens, None, str(SMALLEST)))
     assert file_values["num-server-rounds"] != 1
     run_dir = run_local(cfg, num_clients=10, quiet=True)
     config = json.loads((run_dir / "config.json").read_text())
-    overridden = {"num-server-rounds", "synthetic.max-samples", "results-dir", "run-name"}
+    overridden = {"num-server-rounds", "lr", "results-dir", "run-name"}
     for key, value in file_values.items():
         if key not in overridden:
             assert config[key] == value and type(config[key]) is type(value), key
-    assert config["num-server-rounds"] == 1 and config["synthetic.max-samples"] == 60
+    assert config["num-server-rounds"] == 1 and config["lr"] == 0.5
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1]
     assert 0.0 <= rows[0]["accg"] <= 1.0
