@@ -241,7 +241,7 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
         return {**form_schema(), "engines": list(ENGINES), "connections": names,
                 "default_connection": default, "results_dir": str(roots[0])}
 
-    def _checked(body: dict) -> tuple[dict, str, int, str | None]:
+    def _checked(body: dict, data: bool = False) -> tuple[dict, str, int, str | None]:
         engine = str(body.get("engine", "fast"))
         if engine not in ENGINES:
             raise FormError(f"engine={engine!r}: allowed: {', '.join(ENGINES)}", "engine")
@@ -255,14 +255,15 @@ def create_app(roots: list[Path], token: str | None = None, allowed_hosts: tuple
         values = body.get("values") or {}
         if not isinstance(values, dict):
             raise FormError("values must be an object of run-config keys")
-        overrides = validate(values, num_clients, engine)
+        overrides = validate(values, num_clients, engine, data=data)
         return overrides, engine, num_clients, body.get("connection") or None
 
     @app.post("/api/validate")
     async def check(request: Request) -> Response:
         body = await _json(request)
         try:
-            overrides, engine, num_clients, connection = await asyncio.to_thread(_checked, body)
+            # Check: also the data and the model, as fedaccel-run --check (Launch leaves them to the run)
+            overrides, engine, num_clients, connection = await asyncio.to_thread(_checked, body, True)
             argv, run_dir, _ = launcher.command(overrides, engine, num_clients, connection)
         except FormError as err:
             return _error(str(err), 400, err.key)

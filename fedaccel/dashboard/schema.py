@@ -18,8 +18,8 @@ from functools import cache
 from typing import Any
 
 from fedaccel.errors import USER_ERRORS
-from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, default_run_config, fuse, preflight, project_dir,
-                                run_config_tokens)
+from fedaccel.local_run import (DEFAULT_NUM_CLIENTS, _parse_value, check_data_and_model, default_run_config, fuse,
+                                preflight, project_dir, run_config_tokens)
 from fedaccel.experiment import refuse_on_flower
 from fedaccel.registry import all_algorithms, describe
 from fedaccel.run_config import CHOICES, parse_run_config
@@ -110,7 +110,9 @@ class FormError(ValueError):
 
 def _key_of(message: str) -> str | None:
     match = (re.search(r"invalid run config: ([\w.-]+)=", message) or re.search(r"key\(s\) ([\w.-]+)", message)
-             or re.match(r"(cohort-batching)='on' but", message))
+             or re.match(r"(cohort-batching)='on' but", message)
+             or re.match(r"(model): ", message)  # a model that cannot take the data (Check's model build)
+             or re.search(r"\((data-dir)=", message))  # data files not found where data-dir says
     return match.group(1) if match else None
 
 
@@ -133,14 +135,20 @@ def overrides_from_form(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def validate(values: dict[str, Any], num_clients: int, engine: str = "fast") -> dict[str, Any]:
+def validate(values: dict[str, Any], num_clients: int, engine: str = "fast",
+             data: bool = False) -> dict[str, Any]:
     """The run-config overrides of a valid form, or :class:`FormError` with
-    the message ``fedaccel-run`` / ``flwr run`` would give."""
+    the message ``fedaccel-run`` / ``flwr run`` would give. ``data``: for the
+    fast runner, also what ``fedaccel-run --check`` checks beyond that (the
+    device, the data loaded and partitioned, the model:
+    :func:`fedaccel.local_run.check_data_and_model`)."""
     try:
         overrides = overrides_from_form(values)
         run_config = fuse(default_run_config(), overrides)
         if engine == "fast":  # all fedaccel-run refuses before any work
-            preflight(run_config, num_clients)
+            cfg, clients = preflight(run_config, num_clients)
+            if data:
+                check_data_and_model(cfg, clients)
         else:  # what flwr run's server refuses before it asks any node
             cfg = parse_run_config(run_config)
             require_tracker(cfg.tracker, cfg.tracker_uri)
