@@ -36,6 +36,13 @@ LARGEST_NUMBER = 3.4028234663852886e38
 LARGEST_INTEGER = 2**31 - 1
 
 
+def is_whole_number(value: Any) -> bool:
+    """Whether a run-config value counts as an integer: an int (not a bool)
+    or a float with an integral value (TOML and the CLI may give either)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+
+
 def number_problem(value: Any) -> str | None:
     """Why ``value`` is not a usable run-config number (one phrase), or None:
     not a number, not finite, or larger in magnitude than a float32 holds."""
@@ -285,6 +292,9 @@ def parse_algo_params(params_cls: type, prefix: str, cfg: Mapping[str, Any]) -> 
             require(problem is None, key, value, problem or "")
             if isinstance(default, int):
                 require(abs(value) <= LARGEST_INTEGER, key, value, f"must be at most {LARGEST_INTEGER} in magnitude")
+                # 3.0 counts as 3, as for the shared integer keys (TOML and the CLI may give either);
+                # 2.5 stays a float, for the params' own validate() to refuse in its words
+                value = int(value) if is_whole_number(value) else value
             value = type(default)(value) if isinstance(default, float) else value
         elif isinstance(default, str):
             require(isinstance(value, str), key, value, "must be a string (quote it)")

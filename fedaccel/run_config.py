@@ -21,7 +21,7 @@ from fedaccel.data import DATASETS, PARTITIONS, DataConfig
 from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX
 from fedaccel.config import (
     COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
-    LARGEST_INTEGER, number_problem, parse_algo_params, require,
+    LARGEST_INTEGER, is_whole_number, number_problem, parse_algo_params, require,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
@@ -56,13 +56,6 @@ def _number(cfg: Mapping[str, Any], key: str) -> float:
     problem = number_problem(value)
     require(problem is None, key, value, problem or "")
     return float(value)
-
-
-def is_whole_number(value: Any) -> bool:
-    """Whether a run-config value counts as an integer: an int (not a bool)
-    or a float with an integral value (TOML and the CLI may give either)."""
-    return (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, float) and value.is_integer())
 
 
 def _integer(cfg: Mapping[str, Any], key: str, minimum: int, maximum: int = LARGEST_INTEGER) -> int:

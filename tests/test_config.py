@@ -159,6 +159,17 @@ def test_integral_float_is_accepted_for_integer_keys(defaults):
     assert cfg.num_server_rounds == 5 and isinstance(cfg.num_server_rounds, int)
 
 
+@pytest.mark.parametrize("key", ["fedpm.foof-samples", "fedpm.refresh-every"])
+def test_integral_float_is_accepted_for_algorithm_integer_keys(defaults, key):
+    """As for the shared integer keys: 3.0 is 3 (an int in the params), 2.5
+    is refused in the params' own words."""
+    cfg = parse_one(defaults, key, 3.0, algo="fedpm")
+    value = getattr(cfg.algo_params, key.split(".")[1].replace("-", "_"))
+    assert value == 3 and type(value) is int
+    with pytest.raises(ConfigError, match=re.escape(f"{key}=2.5: must be an integer >= 0")):
+        parse_one(defaults, key, 2.5, algo="fedpm")
+
+
 def test_fraction_clients_per_round_accepted(defaults):
     assert parse_one(defaults, "clients-per-round", 0.25).clients_per_round == 0.25
 
