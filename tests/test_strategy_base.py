@@ -268,6 +268,25 @@ def test_malformed_reply_is_rejected_not_aggregated(bad, reason, caplog):
     assert reason in caplog.text
 
 
+@pytest.mark.parametrize("bad, wanted", [
+    ([{"w": [float("nan")]}] * 3,
+     "3 replies rejected for NaN or inf values: their local training diverged, so lower lr or set clip-norm"),
+    ([{"w": [float("inf")]}, {"w": [float("nan")]}, {"w2": [1.0]}], "3 malformed replies rejected"),
+])
+def test_a_round_whose_replies_all_diverged_says_so(bad, wanted):
+    """Every reply rejected for NaN or inf values (too large a step): the
+    round's error says the training diverged and what to change; any other
+    rejection among them keeps the plain count."""
+    from fedaccel.errors import RoundFailedError
+
+    strategy = build("fedavg")
+    msgs = configure(strategy, 1, arrays(w=[0.0]))
+    assert len(msgs) == len(bad)
+    with pytest.raises(RoundFailedError) as info:
+        strategy.aggregate_train(1, [raw_reply(m, arrays(**b)) for m, b in zip(msgs, bad)])
+    assert str(info.value) == f"round 1: all 3 sampled clients failed ({wanted})"
+
+
 @pytest.mark.parametrize("on_device", [False, True], ids=["host-stacks", "device-stacks"])
 def test_replies_that_are_rows_of_a_stack_are_checked_and_averaged_as_the_plain_ones(on_device, monkeypatch):
     """Replies whose arrays are rows of the cohort trainer's stacks

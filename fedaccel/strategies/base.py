@@ -74,6 +74,9 @@ from fedaccel.strategies.server_steps import (check_reply_consistency, mean_metr
                                               weighted_mean_of_replies)
 
 
+NON_FINITE = "non-finite values in"  # the start of reply_problem's line for a NaN or inf value
+
+
 class FedAccelStrategy:
     """Mixin: put it first, e.g. ``class S(FedAccelStrategy, FedAvg)``.
 
@@ -333,6 +336,7 @@ class FedAccelStrategy:
         # server cannot tell apart: neither reply is applied, so the client rolls
         # back to the state the server counts on
         sources = collections.Counter(m.metadata.src_node_id for m in replies if not m.has_error())
+        diverged = 0  # replies rejected for NaN or inf values: their local training diverged
         for m in replies:
             problem = None if m.has_error() else (
                 f"{sources[m.metadata.src_node_id]} replies from this client in one round; none is applied"
@@ -341,6 +345,7 @@ class FedAccelStrategy:
                 log(WARNING, "round %s: rejected the reply of node %s: %s",
                     server_round, m.metadata.src_node_id, problem)
                 log_.rejected += 1
+                diverged += problem.startswith(NON_FINITE)
             elif not m.has_error():
                 ok.append(m)
         log_.failures = len(log_.sampled) - len(ok)  # errors, rejected and missing replies
@@ -348,7 +353,10 @@ class FedAccelStrategy:
         new_causes = self.client_errors.report(server_round, replies)
         if not ok:
             reasons = self.client_errors.causes(replies)
-            if log_.rejected:
+            if log_.rejected and diverged == log_.rejected:  # the usual cause: too large a step
+                reasons.append(f"{diverged} replies rejected for NaN or inf values: their local training "
+                               "diverged, so lower lr or set clip-norm")
+            elif log_.rejected:
                 reasons.append(f"{log_.rejected} malformed replies rejected")
             if len(replies) < len(log_.sampled):
                 reasons.append(f"{len(log_.sampled) - len(replies)} gave no reply within "
@@ -498,7 +506,7 @@ class FedAccelStrategy:
         for name, record in array_records.items():
             for key, array in record.items():
                 if not all_finite(array):
-                    return f"non-finite values in {name}/{key}"
+                    return f"{NON_FINITE} {name}/{key}"
         return None
 
     def extra_layouts(self) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
