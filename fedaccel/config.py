@@ -43,17 +43,40 @@ def is_whole_number(value: Any) -> bool:
         isinstance(value, float) and value.is_integer())
 
 
+def number_in_text(text: str) -> int | float | None:
+    """The finite number ``text`` spells for Python (``'.1'``, ``'1.'``,
+    ``'0.1'``: what a user meant by a number TOML did not read, or quoted),
+    as the TOML value to write instead (an int when it is whole: ``'2.'`` is
+    2), or None (not a number; one with an underscore, which TOML and Python
+    place differently)."""
+    try:
+        number = float(text) if "_" not in text else None
+    except ValueError:
+        return None
+    if number is None or not math.isfinite(number):
+        return None
+    return int(number) if number.is_integer() and abs(number) <= LARGEST_INTEGER else number
+
+
+def text_number_hint(value: Any) -> str:
+    """``'; '...' was read as text: write N'`` for a string that spells a
+    number (:func:`number_in_text`), else ``''``: the end of a refusal of a
+    number key given a string."""
+    number = number_in_text(value) if isinstance(value, str) else None
+    if number is None:
+        return ""
+    return (f"; {value!r} was read as text: write the number as {number!r}, "
+            "without quotes and with a digit on each side of any point")
+
+
 def number_problem(value: Any) -> str | None:
     """Why ``value`` is not a usable run-config number (one phrase), or None:
     not a number, not finite, or larger in magnitude than a float32 holds."""
     if isinstance(value, str):
-        try:  # (float() would also take 1_0, which TOML would not read as 10 here either)
-            as_number = float(value) if "_" not in value else None
-        except ValueError:
-            as_number = None
-        if as_number is not None and math.isfinite(as_number):  # '.1', '1.', quoted '0.1': read as text
-            return (f"must be a finite number, and this one was read as text: write it as a TOML number, "
-                    f"without quotes and with a digit on each side of a point (e.g. {as_number!r})")
+        number = number_in_text(value)
+        if number is not None:  # '.1', '1.', quoted '0.1': read as text
+            # what to write instead, unless that number is refused too (1e39: beyond a float32)
+            return number_problem(number) or "must be a finite number" + text_number_hint(value)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "must be a finite number"
     if isinstance(value, float) and not math.isfinite(value):  # (an int of any size is finite; isfinite overflows)

@@ -334,6 +334,17 @@ def refuse_on_flower(cfg: RunConfig) -> None:
     refuse_by_model(cfg)
 
 
+def refuse_on_fast_runner(cfg: RunConfig) -> None:
+    """What the fast runner refuses from the config alone (its preflight and
+    ``--check``, and its server before the run folder): checkpoints of
+    cohort nodes."""
+    if cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
+        raise config_error("logical-clients", cfg.logical_clients,
+                           "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "
+                           "them with one client each); the fast runner batches cohorts itself: use "
+                           "logical-clients=0 with cohort-batching, or checkpoint under flwr run")
+
+
 def refuse_by_model(cfg: RunConfig) -> None:
     """What a run refuses from its config and the model it names, built on
     the CPU without data, before any work (the fast runner's ``--check`` and
@@ -388,11 +399,8 @@ def run_experiment(grid: Grid, run_config: dict, quiet: bool = False) -> Path:
     if engine == "flower":
         refuse_on_flower(cfg)  # before the run folder, the nodes and the data
     run_id = grid.run.run_id
-    if engine == "fast" and cfg.logical_clients and (cfg.checkpoint_every or cfg.resume):
-        raise config_error("logical-clients", cfg.logical_clients,
-                           "the fast runner does not checkpoint cohort nodes (a resumed run would rebuild "
-                           "them with one client each); the fast runner batches cohorts itself: use "
-                           "logical-clients=0 with cohort-batching, or checkpoint under flwr run")
+    if engine == "fast":
+        refuse_on_fast_runner(cfg)
     shared_disk = None
     if (client_store is None and cfg.stateful_clients and cfg.client_state == "disk"
             and (cfg.checkpoint_every or cfg.resume)):

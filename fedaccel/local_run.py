@@ -15,7 +15,6 @@ Values use ``flwr run --run-config`` syntax (TOML); a bare word such as
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import shutil
 import sys
@@ -26,7 +25,7 @@ import tomli
 import yaml
 from flwr.common.config import flatten_dict, get_project_config
 
-from fedaccel.config import ConfigError, RunConfig, did_you_mean
+from fedaccel.config import ConfigError, RunConfig, did_you_mean, number_in_text
 
 DEFAULT_NUM_CLIENTS = 20  # the local-simulation profile's num-supernodes (flower.toml)
 
@@ -92,24 +91,15 @@ def parse_run_config_string(text: str) -> dict[str, Any]:
         try:
             out[key] = tomli.loads(f"v = {value}")["v"]
         except tomli.TOMLDecodeError:
-            number = _number_in_text(value)
-            if number is not None:  # .1, 1., +.5: numbers TOML does not read
-                raise ConfigError(f"--run-config: {key}={value} is not a TOML value: write the number with a "
-                                  f"digit on each side of its point ({key}={number!r})") from None
+            number = number_in_text(value)
+            if number is not None:  # .1, 1.: numbers TOML does not read (or a string, unquoted)
+                raise ConfigError(f"--run-config: {key}={value} is not a TOML value: write a number with a "
+                                  f"digit on each side of its point ({key}={number!r}), and quote a string "
+                                  f"({key}='{value}')") from None
             raise ConfigError(
                 f"--run-config: {key}={value} is not a TOML value: quote strings "
                 f"({key}='{value.strip(chr(39) + chr(34))}'); numbers and true/false stay bare") from None
     return out
-
-
-def _number_in_text(text: str) -> float | None:
-    """The finite number ``text`` spells for Python's ``float`` (``.1``,
-    ``1.``), or None (underscores left out: TOML and Python place them differently)."""
-    try:
-        number = float(text) if "_" not in text else None
-    except ValueError:
-        return None
-    return number if number is not None and math.isfinite(number) else None
 
 
 class Yaml12Loader(yaml.SafeLoader):
@@ -314,12 +304,13 @@ def preflight(run_config: dict[str, Any], num_clients: int) -> tuple[RunConfig, 
     of the model, the cohort size, the memory, the
     tracker): the typed config and the number of clients (``logical-clients``
     when the nodes serve that many, else ``num_clients``)."""
-    from fedaccel.experiment import refuse_by_model
+    from fedaccel.experiment import refuse_by_model, refuse_on_fast_runner
     from fedaccel.memory import require_memory
     from fedaccel.run_config import parse_run_config
     from fedaccel.trackers import require_tracker
 
     cfg = parse_run_config(run_config)
+    refuse_on_fast_runner(cfg)
     refuse_by_model(cfg)
     clients = cfg.logical_clients or num_clients
     cfg.cohort_size(clients)
@@ -333,7 +324,9 @@ def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
     then what it refuses once it looks at this machine and the data
     (:func:`check_data_and_model`), without the run: a config ``--check``
     passes is not refused by the run for its config, its device, its data
-    files, its partition or its model."""
+    files, its partition, its model or its optimum. Not checked: whether
+    the results, state and tracker folders can be written (the run makes
+    them, and says so in one line if it cannot)."""
     cfg, clients = preflight(run_config, num_clients)
     defaults = default_run_config()
     changed = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={toml_value(v)}"
@@ -344,24 +337,34 @@ def check_run_config(run_config: dict[str, Any], num_clients: int) -> None:
 
 
 def check_data_and_model(cfg: RunConfig, clients: int) -> str:
-    """What the run refuses once it starts, checked with the run's own code:
-    ``device='cuda'`` without a visible GPU (:func:`require_visible_device`),
-    the data (:func:`fedaccel.runtime.load_data` on the run's data settings:
-    missing or corrupt files, more clients than samples, a partition that
-    cannot be drawn) and a model that cannot take the data's inputs
-    (:func:`fedaccel.models.build_model`). Returns one line saying what was
-    found (dataset, clients' training samples, model size)."""
+    """What the run refuses once it starts, checked with the run's own code
+    and in its order: the checkpoint ``resume`` names, the data (loaded and
+    partitioned as the run does, not kept: missing or corrupt files, more
+    clients than samples, a partition that cannot be drawn), ``device='cuda'``
+    without a visible GPU (:func:`require_visible_device`), a model that
+    cannot take the data's inputs (:func:`fedaccel.models.build_model`) and,
+    for ``init='near-optimum'`` or ``optimality``, the optimum (its Newton
+    run). Returns one line saying what was found (dataset, clients' training
+    samples, model size). It takes what the run's own loading takes (about
+    5 s for Fashion-MNIST here; minutes for a hundred thousand clients)."""
     import torch
 
+    from fedaccel.checkpoint import find_checkpoint
+    from fedaccel.data.federated import load_federated
     from fedaccel.models import build_model
-    from fedaccel.runtime import data_config_for, load_data, model_name
+    from fedaccel.runtime import data_config_for, model_name, optimum_of
     from fedaccel.torch_utils import require_visible_device
 
-    require_visible_device(cfg.device)
-    dataset = load_data(data_config_for(cfg, clients))
+    if cfg.resume:
+        find_checkpoint(cfg.resume)
+    # uncached: a long-lived caller (the dashboard's Check) must not keep every dataset it checked
+    dataset = load_federated.__wrapped__(data_config_for(cfg, clients))
+    require_visible_device(cfg.device)  # after the data, as the run's server checks them
     name = model_name(cfg)
     with torch.random.fork_rng(devices=[]):  # nothing of the caller's seeding moves
         model = build_model(name, tuple(dataset.input_shape), dataset.num_classes)
+        if cfg.needs_optimum:
+            optimum_of(cfg, dataset)
     sizes = dataset.train_sizes()
     parameters = sum(p.numel() for p in model.parameters())
     return (f"{dataset.name}: {sum(sizes):,} training samples over {dataset.num_clients} clients "

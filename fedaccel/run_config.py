@@ -21,7 +21,7 @@ from fedaccel.data import DATASETS, PARTITIONS, DataConfig
 from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX
 from fedaccel.config import (
     COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
-    LARGEST_INTEGER, is_whole_number, number_problem, parse_algo_params, require,
+    LARGEST_INTEGER, is_whole_number, number_problem, parse_algo_params, require, text_number_hint,
 )
 from fedaccel.registry import all_algorithms, get_algorithm
 from fedaccel.samplers import SAMPLERS
@@ -60,7 +60,8 @@ def _number(cfg: Mapping[str, Any], key: str) -> float:
 
 def _integer(cfg: Mapping[str, Any], key: str, minimum: int, maximum: int = LARGEST_INTEGER) -> int:
     value = cfg[key]
-    require(is_whole_number(value) and value >= minimum, key, value, f"must be an integer >= {minimum}")
+    require(is_whole_number(value) and value >= minimum, key, value,
+            f"must be an integer >= {minimum}" + text_number_hint(value))
     require(value <= maximum, key, value, f"must be an integer in [{minimum}, {maximum}]")
     return int(value)
 
@@ -230,7 +231,8 @@ def parse_client_config(cfg: Mapping[str, Any]) -> RunConfig:
     sampler = _string(cfg, "sampler", CHOICES["sampler"])
     straggler_policy = _string(cfg, "straggler-policy", CHOICES["straggler-policy"])
     tracker, tracker_uri = _string(cfg, "tracker", CHOICES["tracker"]), _string(cfg, "tracker-uri")
-    _refuse_settings_without_effect(cfg, dataset, partition, tracker, tracker_uri)
+    if not cfg.get("resume"):  # a resumed run's config is its checkpoint's, which may predate this check
+        _refuse_settings_without_effect(cfg, dataset, partition, tracker, tracker_uri)
     cohort_batching = _string(cfg, "cohort-batching", CHOICES["cohort-batching"])
     cohort_chunk = _integer(cfg, "cohort-chunk", 0)
     require(not (cohort_chunk and cohort_batching == "off"), "cohort-chunk", cohort_chunk,
@@ -303,9 +305,13 @@ def _refuse_settings_without_effect(cfg: Mapping[str, Any], dataset: str, partit
     key, so a key is the user's only when it differs from the default):
     ``dirichlet-alpha`` without a Dirichlet-drawn partition, a
     ``synthetic.*`` key with another dataset, ``tracker-uri`` with
-    ``tracker='none'``."""
+    ``tracker='none'``. Not for a resumed run (the caller skips it): its
+    config is its checkpoint's, which ``--resume`` does not let change."""
     resolved = partition if partition != "auto" else ("natural" if dataset == "synthetic" else "dirichlet")
-    if resolved not in DIRICHLET_PARTITIONS and cfg["dirichlet-alpha"] != DataConfig.dirichlet_alpha:
+    # a partition the dataset does not have is refused by the data's own check, in its words
+    valid_partition = (resolved == "natural") == (dataset == "synthetic")
+    if (valid_partition and resolved not in DIRICHLET_PARTITIONS
+            and cfg["dirichlet-alpha"] != DataConfig.dirichlet_alpha):
         why = ("; dataset='synthetic' is generated client by client, its heterogeneity set by synthetic.alpha "
                "and synthetic.beta" if dataset == "synthetic" else "")
         raise config_error("dirichlet-alpha", cfg["dirichlet-alpha"],
@@ -319,7 +325,7 @@ def _refuse_settings_without_effect(cfg: Mapping[str, Any], dataset: str, partit
                                    f"does not use (dataset='{dataset}'): remove it, or set dataset='synthetic'")
     if tracker == "none" and tracker_uri:
         raise config_error("tracker-uri", tracker_uri, "is where tracker='tensorboard' or 'mlflow' writes, and this "
-                           "run has tracker='none': remove it, or set tracker")
+                           "run has tracker='none': remove it, or set tracker='tensorboard' or 'mlflow'")
 
 
 def _optimum_keys(cfg: Mapping[str, Any], model: str, dataset: str, wd: float) -> tuple[str, float, bool]:

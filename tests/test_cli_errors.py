@@ -67,13 +67,18 @@ def one_error_line(err: str) -> str:
     (["algo='fedavg'", "fedprox.mu=0.5"], 2,
      "fedprox.mu=0.5: is a hyperparameter of algo='fedprox', which this run does not use (algo='fedavg')"),
     (["--config", "/nonexistent/study.yaml"], 2, "--config /nonexistent/study.yaml: no such file"),
-    (["--run-config", "momentum=.9"], 2, "--run-config: momentum=.9 is not a TOML value: write the number with a "
-                                         "digit on each side of its point (momentum=0.9)"),
+    (["--run-config", "momentum=.9"], 2, "--run-config: momentum=.9 is not a TOML value: write a number with a "
+                                         "digit on each side of its point (momentum=0.9), and quote a string "
+                                         "(momentum='.9')"),
+    (["--run-config", "run-name=.5"], 2, "and quote a string (run-name='.5')"),
     (["--run-config", "name=x"], 2, "--run-config: name=x is not a TOML value: quote strings (name='x')"),
-    (["lr=.1"], 2, "lr='.1': must be a finite number, and this one was read as text: write it as a TOML number, "
-                   "without quotes and with a digit on each side of a point (e.g. 0.1)"),
-    (["algo='fedprox'", "fedprox.mu='1.'"], 2, "fedprox.mu='1.': must be a finite number, and this one was read "
-                                               "as text"),
+    (["lr=.1"], 2, "lr='.1': must be a finite number; '.1' was read as text: write the number as 0.1, without "
+                   "quotes and with a digit on each side of any point"),
+    (["algo='fedprox'", "fedprox.mu='1.'"], 2, "fedprox.mu='1.': must be a finite number; '1.' was read as text: "
+                                               "write the number as 1,"),
+    (["clients-per-round=2."], 2, "'2.' was read as text: write the number as 2,"),  # 2.0 would be a fraction
+    (["seed='3'"], 2, "seed='3': must be an integer >= 0; '3' was read as text: write the number as 3,"),
+    (["lr='1e39'"], 2, "lr='1e39': must be a finite number of at most 3.403e+38 in magnitude (a float32)"),
     (["lr='fast'"], 2, "lr='fast': must be a finite number"),
     (["dirichlet-alpha=0.1"], 2, "dirichlet-alpha=0.1: draws the split of partition='dirichlet', "
                                  "'dirichlet-unbalanced' or 'label-sorted', which this run does not use (its "
@@ -86,7 +91,10 @@ def one_error_line(err: str) -> str:
      "(dataset='digits'): remove it, or set dataset='synthetic'"),
     (["dataset='breast-cancer'", "synthetic.iid=true"], 2, "synthetic.iid=true: sets the generated data"),
     (["tracker-uri='runs/tb'"], 2, "tracker-uri='runs/tb': is where tracker='tensorboard' or 'mlflow' writes, "
-                                   "and this run has tracker='none'"),
+                                   "and this run has tracker='none': remove it, or set tracker='tensorboard' or "
+                                   "'mlflow'"),
+    (["partition='iid'", "dirichlet-alpha=0.1"], 3,  # the partition synthetic lacks, not the alpha it ignores
+     "partition='iid' is not available for dataset 'synthetic'"),
     (["algo='feddc'", "feddc.alpha=0"], 2, "feddc.alpha=0.0: must be > 0"),
     (["algo='feddc'", "feddc.cv-update='bogus'"], 2, "feddc.cv-update='bogus': allowed: mean-gradient, option-ii"),
     (["algo='scaffold'", "scaffold.cv-update='bogus'"], 2,
@@ -387,6 +395,13 @@ def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
     (["dataset='digits'", "partition='label-sorted'", "--num-clients", "100"], 3,
      "partition='label-sorted' leaves 43 of the 100 clients of 'digits' without samples"),
     (["model='cnn'"], 2, "model: 'cnn' cannot take input_shape (60,)"),
+    # the run's order: the data before the device
+    (["device='cuda'", "dataset='mnist'", "data-dir='{missing}'"], 3, "mnist file {missing}/train-images"),
+    (["dataset='breast-cancer'", "model='logreg'", "init='near-optimum'", "weight-decay=1e-9", "--num-clients", "3"], 2,
+     "weight-decay=1e-09: Newton's method from zero did not find the optimum"),
+    (["logical-clients=4", "checkpoint-every=1", "--num-clients", "2"], 2,
+     "logical-clients=4: the fast runner does not checkpoint cohort nodes"),
+    (["resume='{missing}'"], 2, "resume='{missing}': no such run folder or checkpoint file"),
 ])
 def test_check_refuses_what_the_run_refuses_once_it_starts(tmp_path, capsys, args, code, wanted):
     """``--check`` loads the data and builds the model as the run does: a
@@ -421,6 +436,18 @@ def test_keys_that_this_run_uses_are_accepted(capsys, args):
     these sets a key that the run reads (or leaves it at its default)."""
     code, _, err = run_cli(capsys, "--check", *args)
     assert (code, err) == (0, "")
+
+
+def test_check_keeps_no_dataset_loaded():
+    """``--check`` (and the dashboard's Check, a long-lived process) loads
+    the data without the run's per-process cache: nothing stays behind."""
+    from fedaccel.data.federated import load_federated
+    from fedaccel.local_run import check_data_and_model, default_run_config, fuse, preflight
+
+    cfg, clients = preflight(fuse(default_run_config(), {"dataset": "digits", "clients-per-round": 7}), 7)
+    load_federated.cache_clear()
+    assert check_data_and_model(cfg, clients).startswith("digits: ")
+    assert load_federated.cache_info().currsize == 0
 
 
 def test_check_says_what_data_and_model_it_found(capsys):

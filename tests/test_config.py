@@ -170,6 +170,17 @@ def test_integral_float_is_accepted_for_algorithm_integer_keys(defaults, key):
         parse_one(defaults, key, 2.5, algo="fedpm")
 
 
+def test_a_resumed_run_is_not_refused_for_keys_it_ignores(defaults):
+    """A checkpoint's config may predate the refusal of keys a run ignores
+    (``--resume`` lets none of them change): a resumed run reads it as it is;
+    the same config without ``resume`` is refused."""
+    keys = {**defaults, "dataset": "digits", "partition": "iid", "dirichlet-alpha": 0.1,
+            "synthetic.alpha": 0.5, "tracker-uri": "runs"}
+    assert parse_run_config({**keys, "resume": "/some/run/checkpoints/round-00003.zip"}).dirichlet_alpha == 0.1
+    with pytest.raises(ConfigError, match="dirichlet-alpha=0.1: draws the split"):
+        parse_run_config(keys)
+
+
 def test_fraction_clients_per_round_accepted(defaults):
     assert parse_one(defaults, "clients-per-round", 0.25).clients_per_round == 0.25
 

@@ -171,8 +171,9 @@ def cli_error(capsys, *tokens: str) -> str:
     ({"model": "cnn"}, "model", ["model='cnn'", "--check"]),
     ({"dataset": "mnist", "data-dir": "/nonexistent/fedaccel-data"}, "data-dir",
      ["dataset='mnist'", "data-dir='/nonexistent/fedaccel-data'", "--check"]),
-    ({"dataset": "digits", "partition": "label-sorted"}, None,
+    ({"dataset": "digits", "partition": "label-sorted"}, "num_clients",
      ["dataset='digits'", "partition='label-sorted'", "--num-clients", "100", "--check"]),
+    ({"dataset": "digits"}, "num_clients", ["dataset='digits'", "--num-clients", "1500", "--check"]),
 ])
 def test_invalid_values_get_fedaccel_runs_message(client, capsys, values, key, cli):
     body = {"values": values}

@@ -113,6 +113,8 @@ def _key_of(message: str) -> str | None:
              or re.match(r"(cohort-batching)='on' but", message)
              or re.match(r"(model): ", message)  # a model that cannot take the data (Check's model build)
              or re.search(r"\((data-dir)=", message))  # data files not found where data-dir says
+    if match is None and re.match(r"(num-clients=|partition=.* leaves \d+ of the)", message):
+        return "num_clients"  # too many clients for the data: the form's clients field
     return match.group(1) if match else None
 
 
