@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from fedaccel.clients.gradient_centralization import GLOBAL_SCOPES, VECTOR_RULES, WEIGHT_DECAY_RULES
 from fedaccel.clients.state import CLIENT_STATES
 from fedaccel.data import DATASETS, PARTITIONS, DataConfig
-from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX
+from fedaccel.data.config import PRECISIONS, SYNTHETIC_SPREAD_MAX, partition_available, resolve_partition
 from fedaccel.config import (
     COHORT_BATCHING, DEVICES, GC_MODES, INIT_NOISE_DEFAULT, INITS, ConfigError, GCConfig, RunConfig, SyntheticConfig, algo_param_keys, config_error,
     LARGEST_INTEGER, is_whole_number, number_problem, parse_algo_params, require, text_number_hint,
@@ -307,10 +307,9 @@ def _refuse_settings_without_effect(cfg: Mapping[str, Any], dataset: str, partit
     ``synthetic.*`` key with another dataset, ``tracker-uri`` with
     ``tracker='none'``. Not for a resumed run (the caller skips it): its
     config is its checkpoint's, which ``--resume`` does not let change."""
-    resolved = partition if partition != "auto" else ("natural" if dataset == "synthetic" else "dirichlet")
+    resolved = resolve_partition(dataset, partition)
     # a partition the dataset does not have is refused by the data's own check, in its words
-    valid_partition = (resolved == "natural") == (dataset == "synthetic")
-    if (valid_partition and resolved not in DIRICHLET_PARTITIONS
+    if (partition_available(dataset, partition) and resolved not in DIRICHLET_PARTITIONS
             and cfg["dirichlet-alpha"] != DataConfig.dirichlet_alpha):
         why = ("; dataset='synthetic' is generated client by client, its heterogeneity set by synthetic.alpha "
                "and synthetic.beta" if dataset == "synthetic" else "")

@@ -48,6 +48,22 @@ def _is_int(v: object) -> bool:
 SYNTHETIC_SPREAD_MAX = 1000.0  # synthetic.alpha and synthetic.beta: standard deviations of the generator's means
 
 
+
+def resolve_partition(dataset: str, partition: str) -> str:
+    """The partition scheme ``partition`` means for ``dataset``: ``auto`` is
+    ``natural`` for synthetic (its data is generated client by client),
+    ``dirichlet`` otherwise; any other name is itself."""
+    if partition != "auto":
+        return partition
+    return "natural" if dataset == "synthetic" else "dirichlet"
+
+
+def partition_available(dataset: str, partition: str) -> bool:
+    """Whether ``dataset`` has ``partition``: ``natural`` is synthetic's only
+    partition, and only synthetic has it (:class:`DataConfig` refuses the others)."""
+    return (resolve_partition(dataset, partition) == "natural") == (dataset == "synthetic")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Everything that determines a federated dataset (hashable: used as cache key).
@@ -162,13 +178,13 @@ class DataConfig:
             )
         if not _is_number(self.synthetic_size_mu) or not math.isfinite(self.synthetic_size_mu):
             raise DataError(f"synthetic.size-mu={self.synthetic_size_mu!r} is invalid; it must be a finite number")
-        if self.dataset == "synthetic" and self.partition not in ("auto", "natural"):
+        if self.dataset == "synthetic" and not partition_available(self.dataset, self.partition):
             raise DataError(
                 f"partition={self.partition!r} is not available for dataset 'synthetic': "
                 "its data is generated per client (natural partition); use partition=auto "
                 "or natural, and synthetic.iid=true for the IID variant"
             )
-        if self.dataset != "synthetic" and self.partition == "natural":
+        if not partition_available(self.dataset, self.partition):
             raise DataError(
                 f"partition='natural' is only available for dataset 'synthetic', not "
                 f"{self.dataset!r}; use auto, iid, dirichlet, dirichlet-unbalanced or label-sorted"
@@ -189,7 +205,5 @@ class DataConfig:
 
     @property
     def resolved_partition(self) -> str:
-        """The partition scheme after resolving ``auto``."""
-        if self.partition != "auto":
-            return self.partition
-        return "natural" if self.dataset == "synthetic" else "dirichlet"
+        """The partition scheme after resolving ``auto`` (:func:`resolve_partition`)."""
+        return resolve_partition(self.dataset, self.partition)
