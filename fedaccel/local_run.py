@@ -342,17 +342,16 @@ def check_data_and_model(cfg: RunConfig, clients: int) -> str:
     partitioned as the run does, not kept: missing or corrupt files, more
     clients than samples, a partition that cannot be drawn), ``device='cuda'``
     without a visible GPU (:func:`require_visible_device`), a model that
-    cannot take the data's inputs (:func:`fedaccel.models.build_model`) and,
-    for ``init='near-optimum'`` or ``optimality``, the optimum (its Newton
-    run). Returns one line saying what was found (dataset, clients' training
+    cannot take the data's inputs and, for ``init='near-optimum'`` or
+    ``optimality``, the optimum (its Newton run), both as the run's server
+    builds them (:func:`fedaccel.runtime.build_model_for`, ``optimum_of``). Returns one line saying what was found (dataset, clients' training
     samples, model size). It takes what the run's own loading takes (about
     5 s for Fashion-MNIST here; minutes for a hundred thousand clients)."""
     import torch
 
     from fedaccel.checkpoint import find_checkpoint
     from fedaccel.data.federated import load_federated
-    from fedaccel.models import build_model
-    from fedaccel.runtime import data_config_for, model_name, optimum_of
+    from fedaccel.runtime import build_model_for, data_config_for, model_name, optimum_of
     from fedaccel.torch_utils import require_visible_device
 
     if cfg.resume:
@@ -360,12 +359,11 @@ def check_data_and_model(cfg: RunConfig, clients: int) -> str:
     # uncached: a long-lived caller (the dashboard's Check) must not keep every dataset it checked
     dataset = load_federated.__wrapped__(data_config_for(cfg, clients))
     require_visible_device(cfg.device)  # after the data, as the run's server checks them
-    name = model_name(cfg)
     with torch.random.fork_rng(devices=[]):  # nothing of the caller's seeding moves
-        model = build_model(name, tuple(dataset.input_shape), dataset.num_classes)
-        if cfg.needs_optimum:
+        model = build_model_for(cfg, dataset)  # the run's own model, its near-optimum start included
+        if cfg.optimality:  # the optimum the run measures against, as its server computes it
             optimum_of(cfg, dataset)
-    sizes = dataset.train_sizes()
+    name, sizes = model_name(cfg), dataset.train_sizes()
     parameters = sum(p.numel() for p in model.parameters())
     return (f"{dataset.name}: {sum(sizes):,} training samples over {dataset.num_clients} clients "
             f"({min(sizes):,} to {max(sizes):,} each), {len(dataset.test_y):,} test samples; "
@@ -403,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpoint file given, with the run's own config (docs/checkpoints.md)")
     parser.add_argument("--list", action="store_true", help="list the algorithms and exit")
     parser.add_argument("--check", action="store_true",
-                        help="check the run config, the memory for --num-clients, the device, the data "
-                             "(loaded and partitioned as the run does) and the model, and exit without training; "
+                        help="check the run config, the memory for --num-clients, the checkpoint to resume, "
+                             "the data (loaded and partitioned as the run does), the device, the model and its "
+                             "optimum where the run needs one, and exit without training; "
                              "flwr run drops a --run-config token that is not key=value, this refuses it")
     parser.add_argument("--quiet", action="store_true",
                         help="no per-round progress lines (the results folder is still printed)")

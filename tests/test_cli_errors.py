@@ -399,6 +399,8 @@ def test_check_validates_a_flwr_run_string_without_running(tmp_path, capsys):
     (["device='cuda'", "dataset='mnist'", "data-dir='{missing}'"], 3, "mnist file {missing}/train-images"),
     (["dataset='breast-cancer'", "model='logreg'", "init='near-optimum'", "weight-decay=1e-9", "--num-clients", "3"], 2,
      "weight-decay=1e-09: Newton's method from zero did not find the optimum"),
+    (["dataset='breast-cancer'", "model='logreg'", "optimality=true", "weight-decay=1e-9", "--num-clients", "3"], 2,
+     "weight-decay=1e-09: Newton's method from zero did not find the optimum"),
     (["logical-clients=4", "checkpoint-every=1", "--num-clients", "2"], 2,
      "logical-clients=4: the fast runner does not checkpoint cohort nodes"),
     (["resume='{missing}'"], 2, "resume='{missing}': no such run folder or checkpoint file"),
